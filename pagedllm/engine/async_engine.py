@@ -1,0 +1,234 @@
+"""AsyncLLMEngine: the LLMEngine stepped by a background task, one async stream per request.
+
+Every call into the engine (add, abort, step, stats) runs on one dedicated worker thread, so
+the engine is never touched by two threads at once and the event loop never blocks on the
+model. The step loop sleeps on an Event while there is no work.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+from pagedllm.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.engine.llm_engine import EngineStats, LLMEngine
+    from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine raised inside step(); the requests that were in flight are dropped."""
+
+
+class OutputObserver(Protocol):
+    """Sees every RequestOutput the engine produces (used by the server's metrics)."""
+
+    def on_output(self, output: RequestOutput) -> None: ...
+
+    def on_abort(self, request_id: str) -> None: ...
+
+
+class RequestStream:
+    """The outputs of one request, in order; iterating ends after the finished output.
+
+    abort() is synchronous so it can run in a `finally` of a cancelled task.
+    """
+
+    def __init__(self, request_id: str, on_abort: Callable[[str], None]) -> None:
+        self.request_id = request_id
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._on_abort = on_abort
+        self.finished = False
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def abort(self) -> None:
+        """Stop the request if it is still running (no-op once finished)."""
+        if not self.finished:
+            self.finished = True
+            self._on_abort(self.request_id)
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine, observers: list[OutputObserver] | None = None) -> None:
+        self.engine = engine
+        self.observers: list[OutputObserver] = list(observers or [])
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-engine")
+        self._streams: dict[str, RequestStream] = {}
+        self._loop_task: asyncio.Task | None = None
+        self._wake: asyncio.Event | None = None
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "AsyncLLMEngine":
+        from pagedllm.engine.llm_engine import LLMEngine
+
+        return cls(LLMEngine.from_engine_args(args))
+
+    # What the server reads from the engine.
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    async def run_in_engine_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run fn on the engine's thread (between steps): tokenizer and engine calls."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def get_stats(self) -> EngineStats:
+        return await self.run_in_engine_thread(self.engine.get_stats)
+
+    async def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+    ) -> RequestStream:
+        """Queue a request; raises the engine's ValueError here, before any output."""
+        self._ensure_loop()
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        stream = RequestStream(request_id, self._abort_nowait)
+        self._streams[request_id] = stream
+        arrival = time.monotonic()
+        try:
+            await self.run_in_engine_thread(
+                self.engine.add_request, request_id, prompt, params, arrival
+            )
+        except asyncio.CancelledError:
+            # The add may still complete on the engine thread: abort it behind the add.
+            self._streams.pop(request_id, None)
+            self._executor.submit(self._abort_in_engine, request_id)
+            raise
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        assert self._wake is not None
+        self._wake.set()
+        return stream
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream the outputs of one request; closing the iterator aborts the request."""
+        stream = await self.add_request(prompt, params, request_id)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.abort()
+
+    async def abort(self, request_id: str) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.abort()
+
+    async def shutdown(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            try:
+                await self._loop_task
+            except asyncio.CancelledError:
+                pass
+            self._loop_task = None
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _abort_nowait(self, request_id: str) -> None:
+        if self._streams.pop(request_id, None) is None:
+            return
+        for observer in self.observers:
+            observer.on_abort(request_id)
+        self._executor.submit(self._abort_in_engine, request_id)
+
+    def _abort_in_engine(self, request_id: str) -> None:
+        try:
+            self.engine.abort_request(request_id)
+        except Exception:  # an unknown id is not worth failing over
+            logger.exception("abort of request %s failed", request_id)
+
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._wake = asyncio.Event()
+            self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
+
+    def _step(self) -> tuple[list[RequestOutput], bool]:
+        outputs = self.engine.step()
+        return outputs, self.engine.has_unfinished_requests()
+
+    async def _run_loop(self) -> None:
+        assert self._wake is not None
+        while True:
+            # Clear before stepping: a request added during the step sets it again,
+            # so the wait below cannot miss it.
+            self._wake.clear()
+            try:
+                outputs, has_work = await self.run_in_engine_thread(self._step)
+            except Exception as exc:
+                logger.exception("engine step failed")
+                self._fail_all(exc)
+                has_work, outputs = False, []
+            for output in outputs:
+                self._deliver(output)
+            if not has_work:
+                await self._wake.wait()
+
+    def _deliver(self, output: RequestOutput) -> None:
+        for observer in self.observers:
+            try:
+                observer.on_output(output)
+            except Exception:
+                logger.exception("output observer failed")
+        stream = self._streams.get(output.request_id)
+        if stream is None:  # aborted by its client in the meantime
+            return
+        if output.finished:
+            del self._streams[output.request_id]
+        stream.put(output)
+
+    def _fail_all(self, exc: Exception) -> None:
+        """A step raised: end every in-flight request with the error, keep the loop alive."""
+        error = EngineDeadError(f"the engine failed: {type(exc).__name__}: {exc}")
+        for request_id, stream in list(self._streams.items()):
+            del self._streams[request_id]
+            stream.put(error)
+            for observer in self.observers:
+                observer.on_abort(request_id)
+            self._executor.submit(self._abort_in_engine, request_id)

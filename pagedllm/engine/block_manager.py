@@ -1,0 +1,368 @@
+"""BlockSpaceManager: the block table of every sequence, on the GPU pool or the CPU swap pool.
+
+Prefix caching: a full block is known by a chained hash, hash((parent_hash, its tokens)), so
+the same tokens after a different prefix never match. A block becomes findable only once its
+K/V are computed (`mark_blocks_computed`); a new prompt then reuses its longest run of cached
+leading blocks, but never its last token, which must be computed to produce logits. Cached
+blocks are always full and never written again, so they are shared without copy-on-write.
+"""
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from collections.abc import Iterable
+
+from pagedllm.engine.block import BlockAllocator, PhysicalTokenBlock
+from pagedllm.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+
+BlockTable = list[PhysicalTokenBlock]
+
+
+class AllocStatus(enum.Enum):
+    OK = "ok"  # fits now
+    LATER = "later"  # fits once other requests free their blocks
+    NEVER = "never"  # bigger than the whole GPU pool
+
+
+def hash_block_tokens(parent_hash: int | None, token_ids: Iterable[int]) -> int:
+    return hash((parent_hash, tuple(token_ids)))
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class BlockSpaceManager:
+    def __init__(
+        self,
+        block_size: int,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int,
+        enable_caching: bool = True,
+        watermark: float = 0.01,
+    ) -> None:
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        self.block_size = block_size
+        self.num_total_gpu_blocks = num_gpu_blocks
+        self.num_total_cpu_blocks = num_cpu_blocks
+        self.enable_caching = enable_caching
+        self.watermark_blocks = int(watermark * num_gpu_blocks)
+        self.gpu_allocator = BlockAllocator("gpu", block_size, num_gpu_blocks, enable_caching)
+        self.cpu_allocator = BlockAllocator("cpu", block_size, num_cpu_blocks, False)
+        self.block_tables: dict[int, BlockTable] = {}
+        # Chained hashes of each sequence's leading full blocks whose K/V are computed.
+        self.computed_hashes: dict[int, list[int]] = {}
+
+    # ---- admission -------------------------------------------------------------------------
+
+    def can_allocate(self, seq_group: SequenceGroup) -> AllocStatus:
+        seq = self._waiting_seq(seq_group)
+        num_required = _cdiv(seq.get_len(), self.block_size)
+        if num_required > self.num_total_gpu_blocks:
+            return AllocStatus.NEVER
+        # Cached leading blocks that other sequences hold cost no free block.
+        hashes = self._prefix_hashes(seq_group, seq)
+        num_held_hits = 0
+        for h in hashes:
+            block = self.gpu_allocator.get_cached_block(h)
+            if block is None:
+                break
+            num_held_hits += block.ref_count > 0
+        return AllocStatus.OK if self._fits(num_required - num_held_hits) else AllocStatus.LATER
+
+    def allocate(self, seq_group: SequenceGroup) -> None:
+        """Give the waiting sequence a block table covering all its tokens."""
+        seq = self._waiting_seq(seq_group)
+        if seq.seq_id in self.block_tables:
+            raise ValueError(f"sequence {seq.seq_id} already has a block table")
+        hashes = self._prefix_hashes(seq_group, seq)
+        table: BlockTable = []
+        hits: list[int] = []
+        for h in hashes:
+            if not self.gpu_allocator.contains_hash(h):
+                break
+            table.append(self.gpu_allocator.allocate_cached(h))
+            hits.append(h)
+        if hashes:
+            self.gpu_allocator.record_prefix_lookup(len(hashes), len(hits))
+        num_blocks = _cdiv(seq.get_len(), self.block_size)
+        while len(table) < num_blocks:
+            table.append(self.gpu_allocator.allocate())
+        self.block_tables[seq.seq_id] = table
+        self.computed_hashes[seq.seq_id] = hits
+        num_cached = len(hits) * self.block_size
+        seq.num_computed_tokens = num_cached
+        seq_group.num_cached_tokens = min(num_cached, seq.get_prompt_len())
+
+    def _waiting_seq(self, seq_group: SequenceGroup) -> Sequence:
+        seqs = seq_group.get_seqs(SequenceStatus.WAITING)
+        if not seqs:
+            raise ValueError(f"request {seq_group.request_id!r} has no waiting sequence")
+        return seqs[0]
+
+    def _prefix_hashes(self, seq_group: SequenceGroup, seq: Sequence) -> list[int]:
+        """Hashes of the leading full blocks a cache hit may cover (never the last token)."""
+        if not self.enable_caching:
+            return []
+        # Cached tokens are never run through the model, so they get no prompt logprobs.
+        if getattr(seq_group.sampling_params, "prompt_logprobs", None) is not None:
+            return []
+        tokens = seq.get_token_ids()
+        bs = self.block_size
+        hashes: list[int] = []
+        parent = None
+        for i in range((len(tokens) - 1) // bs):
+            parent = hash_block_tokens(parent, tokens[i * bs: (i + 1) * bs])
+            hashes.append(parent)
+        return hashes
+
+    def _fits(self, num_blocks: int) -> bool:
+        """Room for `num_blocks` more while keeping the watermark free; an empty pool always
+        admits what it can hold, or a request bigger than pool - watermark would wait forever."""
+        free = self.gpu_allocator.get_num_free_blocks()
+        if free - num_blocks >= self.watermark_blocks:
+            return True
+        return free == self.num_total_gpu_blocks and num_blocks <= free
+
+    # ---- prefix-cache registration ---------------------------------------------------------
+
+    def mark_blocks_computed(self, seq: Sequence) -> None:
+        """Register every full block of `seq` that now lies inside its computed tokens."""
+        if not self.enable_caching:
+            return
+        table = self.block_tables.get(seq.seq_id)
+        if table is None or not table or table[0].device != "gpu":
+            return
+        hashes = self.computed_hashes[seq.seq_id]
+        num_full = min(seq.num_computed_tokens // self.block_size, len(table))
+        for i in range(len(hashes), num_full):
+            h = hash_block_tokens(hashes[-1] if hashes else None, self._block_tokens(seq, i))
+            hashes.append(h)
+            block = table[i]
+            # The same content may already be cached in another block (two identical
+            # prompts computed side by side); this one then just stays unregistered.
+            if block.block_hash is None and not self.gpu_allocator.contains_hash(h):
+                self.gpu_allocator.register(block, h, (i + 1) * self.block_size)
+
+    def _block_tokens(self, seq: Sequence, i: int) -> list[int]:
+        start, end = i * self.block_size, (i + 1) * self.block_size
+        prompt = seq.prompt_token_ids
+        if end <= len(prompt):
+            return prompt[start:end]
+        out_start = max(0, start - len(prompt))
+        return prompt[start:end] + seq.output_token_ids[out_start: end - len(prompt)]
+
+    # ---- growth and copy-on-write ----------------------------------------------------------
+
+    def can_append_slots(self, seq_group: SequenceGroup) -> bool:
+        seqs = seq_group.get_seqs(SequenceStatus.RUNNING)
+        return self._num_blocks_to_append(seqs) <= self.gpu_allocator.get_num_free_blocks()
+
+    def _num_blocks_to_append(self, seqs: list[Sequence]) -> int:
+        """New blocks `append_slots` takes for these sequences: growth plus copy-on-write."""
+        needed = 0
+        writers: Counter[int] = Counter()  # id(block) -> sequences that will write into it
+        shared: dict[int, PhysicalTokenBlock] = {}
+        for seq in seqs:
+            table = self.block_tables[seq.seq_id]
+            needed += max(0, _cdiv(seq.get_len(), self.block_size) - len(table))
+            for block in self._write_range(seq, table):
+                if block.ref_count > 1:
+                    writers[id(block)] += 1
+                    shared[id(block)] = block
+        for key, n in writers.items():
+            # Each writer copies, except the last one when nobody else holds the block.
+            needed += n - 1 if shared[key].ref_count == n else n
+        return needed
+
+    def _write_range(self, seq: Sequence, table: BlockTable) -> BlockTable:
+        """The blocks holding tokens not computed yet: the ones the next steps write."""
+        return table[seq.num_computed_tokens // self.block_size:]
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int = 1) -> list[tuple[int, int]]:
+        """Make the table cover all tokens of `seq` and own every block it will write.
+
+        Returns (src, dst) block pairs the cache engine must copy (copy-on-write).
+        """
+        if seq.num_computed_tokens + num_new_tokens > seq.get_len():
+            raise ValueError(
+                f"sequence {seq.seq_id}: {num_new_tokens} new tokens after "
+                f"{seq.num_computed_tokens} computed exceed its {seq.get_len()} tokens"
+            )
+        table = self._gpu_table(seq)
+        while len(table) < _cdiv(seq.get_len(), self.block_size):
+            table.append(self.gpu_allocator.allocate())
+        copies: list[tuple[int, int]] = []
+        first = seq.num_computed_tokens // self.block_size
+        for i in range(first, len(table)):
+            old = table[i]
+            if old.ref_count == 1:
+                continue
+            assert old.block_hash is None, f"cached block {old.block_number} is in a write range"
+            new = self.gpu_allocator.allocate()
+            copies.append((old.block_number, new.block_number))
+            self.gpu_allocator.free(old)
+            table[i] = new
+        return copies
+
+    def fork(self, parent_seq: Sequence, child_seq: Sequence) -> None:
+        """The child shares every block of the parent."""
+        table = self._gpu_table(parent_seq)
+        if child_seq.seq_id in self.block_tables:
+            raise ValueError(f"sequence {child_seq.seq_id} already has a block table")
+        for block in table:
+            block.ref_count += 1
+        self.block_tables[child_seq.seq_id] = list(table)
+        self.computed_hashes[child_seq.seq_id] = list(self.computed_hashes[parent_seq.seq_id])
+
+    def _gpu_table(self, seq: Sequence) -> BlockTable:
+        table = self.block_tables.get(seq.seq_id)
+        if table is None:
+            raise ValueError(f"sequence {seq.seq_id} has no block table")
+        if table and table[0].device != "gpu":
+            raise ValueError(f"sequence {seq.seq_id} is swapped out")
+        return table
+
+    # ---- freeing ---------------------------------------------------------------------------
+
+    def free(self, seq: Sequence) -> None:
+        """Drop the sequence's references; a no-op for a sequence without blocks."""
+        table = self.block_tables.pop(seq.seq_id, None)
+        self.computed_hashes.pop(seq.seq_id, None)
+        if table is None:
+            return
+        # Last block first: the evictor then drops a prefix from its tail, keeping its head.
+        for block in reversed(table):
+            self._allocator(block).free(block)
+
+    def _allocator(self, block: PhysicalTokenBlock) -> BlockAllocator:
+        return self.gpu_allocator if block.device == "gpu" else self.cpu_allocator
+
+    # ---- swapping --------------------------------------------------------------------------
+
+    def can_swap_out(self, seq_group: SequenceGroup) -> bool:
+        blocks = self._unique_blocks(seq_group.get_seqs(SequenceStatus.RUNNING))
+        return len(blocks) <= self.cpu_allocator.get_num_free_blocks()
+
+    def swap_out(self, seq_group: SequenceGroup) -> list[tuple[int, int]]:
+        """Move the running sequences' blocks to the CPU pool: (gpu, cpu) pairs to copy."""
+        return self._move(seq_group.get_seqs(SequenceStatus.RUNNING), self.cpu_allocator)
+
+    def can_swap_in(self, seq_group: SequenceGroup) -> AllocStatus:
+        seqs = seq_group.get_seqs(SequenceStatus.SWAPPED)
+        # Blocks to bring back plus what the next step's append_slots takes (at most one
+        # block per sequence: either growth or a copy-on-write).
+        num_required = len(self._unique_blocks(seqs)) + self._num_blocks_to_append(seqs)
+        if num_required > self.num_total_gpu_blocks:
+            return AllocStatus.NEVER
+        return AllocStatus.OK if self._fits(num_required) else AllocStatus.LATER
+
+    def swap_in(self, seq_group: SequenceGroup) -> list[tuple[int, int]]:
+        """Move the swapped sequences' blocks to the GPU pool: (cpu, gpu) pairs to copy."""
+        return self._move(seq_group.get_seqs(SequenceStatus.SWAPPED), self.gpu_allocator)
+
+    def _unique_blocks(self, seqs: list[Sequence]) -> dict[int, PhysicalTokenBlock]:
+        return {id(b): b for s in seqs for b in self.block_tables.get(s.seq_id, ())}
+
+    def _move(self, seqs: list[Sequence], dst: BlockAllocator) -> list[tuple[int, int]]:
+        """Re-home the tables of `seqs` on `dst`; a block shared by several moves once."""
+        moved: dict[int, PhysicalTokenBlock] = {}
+        copies: list[tuple[int, int]] = []
+        for seq in seqs:
+            table = self.block_tables.get(seq.seq_id)
+            if table is None:
+                raise ValueError(f"sequence {seq.seq_id} has no block table")
+            hashes = self.computed_hashes[seq.seq_id]
+            new_table: BlockTable = []
+            for i, block in enumerate(table):
+                if block.device == dst.device:
+                    raise ValueError(f"sequence {seq.seq_id} is already on {dst.device}")
+                new = moved.get(id(block))
+                if new is not None:
+                    new.ref_count += 1
+                else:
+                    new, needs_copy = self._new_home(dst, hashes[i] if i < len(hashes) else None, i)
+                    if needs_copy:
+                        copies.append((block.block_number, new.block_number))
+                    moved[id(block)] = new
+                new_table.append(new)
+            for block in reversed(table):
+                self._allocator(block).free(block)
+            self.block_tables[seq.seq_id] = new_table
+        return copies
+
+    def _new_home(
+        self, dst: BlockAllocator, block_hash: int | None, i: int
+    ) -> tuple[PhysicalTokenBlock, bool]:
+        """A block on `dst` for block `i` of a table, and whether its content must be copied."""
+        if dst.device == "gpu" and block_hash is not None and self.enable_caching:
+            # Swap-in: the content may still be cached on the GPU (no copy needed); else
+            # the copy lands before the step's forward, so the block can be registered now.
+            if dst.contains_hash(block_hash):
+                return dst.allocate_cached(block_hash), False
+            return dst.allocate(block_hash, (i + 1) * self.block_size), True
+        return dst.allocate(), True
+
+    # ---- queries ---------------------------------------------------------------------------
+
+    def get_block_table(self, seq: Sequence) -> list[int]:
+        return [b.block_number for b in self.block_tables[seq.seq_id]]
+
+    def get_num_free_gpu_blocks(self) -> int:
+        return self.gpu_allocator.get_num_free_blocks()
+
+    def get_num_free_cpu_blocks(self) -> int:
+        return self.cpu_allocator.get_num_free_blocks()
+
+    def gpu_usage(self) -> float:
+        """Fraction of GPU blocks held by sequences (evictable cached blocks count as free)."""
+        if self.num_total_gpu_blocks == 0:
+            return 0.0
+        return 1.0 - self.get_num_free_gpu_blocks() / self.num_total_gpu_blocks
+
+    def cpu_usage(self) -> float:
+        if self.num_total_cpu_blocks == 0:
+            return 0.0
+        return 1.0 - self.get_num_free_cpu_blocks() / self.num_total_cpu_blocks
+
+    def prefix_cache_hit_rate(self) -> float:
+        """Cached blocks found / full prompt blocks looked up, over all admissions."""
+        a = self.gpu_allocator
+        return a.num_cache_hits / a.num_cache_queries if a.num_cache_queries else 0.0
+
+    def check_invariants(self) -> None:
+        """Assert the pools and tables agree: each block is free, evictable or owned (once),
+        its ref_count equals its number of table references, and the hash index is exact."""
+        refs: Counter[tuple[str, int]] = Counter()
+        for seq_id, table in self.block_tables.items():
+            devices = {b.device for b in table}
+            assert len(devices) <= 1, f"sequence {seq_id} has blocks on {devices}"
+            for b in table:
+                allocator = self._allocator(b)
+                assert allocator.blocks[b.block_number] is b, f"foreign block {b} in seq {seq_id}"
+                refs[(b.device, b.block_number)] += 1
+        for allocator in (self.gpu_allocator, self.cpu_allocator):
+            free_ids = [b.block_number for b in allocator.free_blocks]
+            assert len(set(free_ids)) == len(free_ids), f"{allocator.device}: free list repeats"
+            free_set = set(free_ids)
+            evictable = set(allocator.evictor)
+            assert not free_set & evictable, f"{allocator.device}: free and evictable overlap"
+            for b in allocator.blocks:
+                n = refs[(allocator.device, b.block_number)]
+                assert b.ref_count == n, f"{b}: ref_count {b.ref_count} but {n} table references"
+                places = (b.block_number in free_set) + (b.block_number in evictable) + (n > 0)
+                assert places == 1, f"{b} is in {places} places (free/evictable/owned)"
+                if b.block_number in free_set:
+                    assert b.block_hash is None, f"{b} is on the free list with a hash"
+                if b.block_number in evictable:
+                    assert allocator.evictor[b.block_number] is b
+                    assert b.block_hash is not None, f"{b} is evictable without a hash"
+                if b.block_hash is not None:
+                    assert allocator.cached_blocks.get(b.block_hash) is b, f"{b} not indexed"
+            for h, b in allocator.cached_blocks.items():
+                assert b.block_hash == h, f"hash index {h} points at {b}"
+        for seq_id, hashes in self.computed_hashes.items():
+            assert seq_id in self.block_tables, f"hashes kept for freed sequence {seq_id}"
+            assert len(hashes) <= len(self.block_tables[seq_id])
+        assert self.computed_hashes.keys() == self.block_tables.keys()

@@ -1,0 +1,359 @@
+"""Scheduler: which sequences run each step, and how many tokens each computes.
+
+One rule covers prefill, chunked prefill, prefix-cache hits and decode: a running sequence
+has `num_computed_tokens`, and a step gives it tokens toward `get_len()` under a token budget.
+Order of each step: running groups (FCFS), preempting the newest when blocks run out; then
+swapped groups; then waiting groups, both only when nothing was preempted this step.
+
+The cache engine must apply `blocks_to_swap_out`, then `blocks_to_swap_in`, then
+`blocks_to_copy`, all before the step's forward: a block freed by a swap-out may be handed
+to another sequence in the same step.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.engine.block_manager import AllocStatus, BlockSpaceManager
+from pagedllm.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+@dataclass
+class ScheduledSequenceGroup:
+    seq_group: SequenceGroup
+    # New tokens for EACH running sequence of the group this step.
+    token_chunk_size: int
+    # The chunk reaches the last known token, so the step samples a new one.
+    do_sample: bool
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_seq_groups: list[ScheduledSequenceGroup] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) on gpu
+    block_tables: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> blocks
+    # Finished with FINISHED_IGNORED this step: they can never fit in the KV cache.
+    ignored_seq_groups: list[SequenceGroup] = field(default_factory=list)
+    num_preempted: int = 0
+
+    def is_empty(self) -> bool:
+        return not (
+            self.scheduled_seq_groups
+            or self.blocks_to_swap_in
+            or self.blocks_to_swap_out
+            or self.blocks_to_copy
+        )
+
+
+@dataclass
+class SchedulerStats:
+    num_preemptions_recompute: int = 0
+    num_preemptions_swap: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int,
+    ) -> None:
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.block_size = cache_config.block_size
+        self.block_manager = BlockSpaceManager(
+            cache_config.block_size,
+            num_gpu_blocks,
+            num_cpu_blocks,
+            enable_caching=cache_config.enable_prefix_caching,
+        )
+        self.waiting: deque[SequenceGroup] = deque()
+        self.running: deque[SequenceGroup] = deque()
+        self.swapped: deque[SequenceGroup] = deque()
+        self.stats = SchedulerStats()
+        self._groups: dict[str, SequenceGroup] = {}  # request_id -> group
+        self._group_of_seq: dict[int, SequenceGroup] = {}
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def add_seq_group(self, seq_group: SequenceGroup) -> None:
+        if seq_group.request_id in self._groups:
+            raise ValueError(f"request id {seq_group.request_id!r} is already scheduled")
+        seqs = seq_group.get_seqs()
+        if len(seqs) != 1 or seqs[0].status != SequenceStatus.WAITING:
+            raise ValueError(
+                "a new request must hold exactly one waiting sequence "
+                "(samples beyond the first are forked after the first step)"
+            )
+        if seqs[0].get_prompt_len() == 0:
+            raise ValueError(f"request {seq_group.request_id!r} has an empty prompt")
+        cfg = self.scheduler_config
+        limit = min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        if seq_group.max_num_samples > limit:
+            raise ValueError(
+                f"request {seq_group.request_id!r} needs {seq_group.max_num_samples} sequences "
+                f"(n/best_of) but a step holds at most {limit} "
+                f"(max_num_seqs={cfg.max_num_seqs}, max_num_batched_tokens={cfg.max_num_batched_tokens})"
+            )
+        self._groups[seq_group.request_id] = seq_group
+        self._group_of_seq[seqs[0].seq_id] = seq_group
+        self.waiting.append(seq_group)
+
+    def abort_seq_group(self, request_id: str | Iterable[str]) -> None:
+        """Finish the given requests as aborted and free their blocks; unknown ids are skipped."""
+        ids = {request_id} if isinstance(request_id, str) else set(request_id)
+        for queue in (self.waiting, self.running, self.swapped):
+            aborted = [g for g in queue if g.request_id in ids]
+            for group in aborted:
+                queue.remove(group)
+                for seq in group.get_seqs():
+                    if not seq.is_finished():
+                        seq.status = SequenceStatus.FINISHED_ABORTED
+                    self.block_manager.free(seq)
+                self._forget(group)
+
+    def has_unfinished_seqs(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def get_num_unfinished_seq_groups(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.swapped)
+
+    def fork_seq(self, parent: Sequence, child: Sequence) -> None:
+        """Add `child` (forked from the running `parent`) to its group, sharing its blocks."""
+        group = self._group_of_seq.get(parent.seq_id)
+        if group is None or parent.status != SequenceStatus.RUNNING:
+            raise ValueError(f"sequence {parent.seq_id} is not running in the scheduler")
+        if child.seq_id in self._group_of_seq:
+            raise ValueError(f"sequence id {child.seq_id} is already in use")
+        self.block_manager.fork(parent, child)
+        child.status = SequenceStatus.RUNNING
+        group.add(child)
+        self._group_of_seq[child.seq_id] = group
+
+    def free_seq(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+
+    def free_finished_seq_groups(self) -> list[SequenceGroup]:
+        """Free the blocks of finished sequences; drop and return finished groups."""
+        finished = []
+        for group in self.running:
+            for seq in group.get_seqs():
+                if seq.is_finished():
+                    self.block_manager.free(seq)
+            if group.is_finished():
+                finished.append(group)
+        if finished:
+            self.running = deque(g for g in self.running if not g.is_finished())
+            for group in finished:
+                self._forget(group)
+        return finished
+
+    def _forget(self, group: SequenceGroup) -> None:
+        self._groups.pop(group.request_id, None)
+        for seq in group.get_seqs():
+            self._group_of_seq.pop(seq.seq_id, None)
+
+    # ---- one step --------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        self._schedule_running(out)
+        if out.num_preempted == 0:
+            self._schedule_swapped(out)
+        if out.num_preempted == 0 and not self.swapped:
+            self._schedule_waiting(out)
+        for scheduled in out.scheduled_seq_groups:
+            for seq in scheduled.seq_group.get_seqs(SequenceStatus.RUNNING):
+                out.block_tables[seq.seq_id] = self.block_manager.get_block_table(seq)
+        return out
+
+    def on_step_done(self, out: SchedulerOutput) -> None:
+        """The model ran `out`: its chunks now have K/V in the cache."""
+        for scheduled in out.scheduled_seq_groups:
+            for seq in scheduled.seq_group.get_seqs(SequenceStatus.RUNNING):
+                seq.num_computed_tokens += scheduled.token_chunk_size
+                self.block_manager.mark_blocks_computed(seq)
+
+    def _budget_left(self, out: SchedulerOutput) -> int:
+        return self.scheduler_config.max_num_batched_tokens - out.num_batched_tokens
+
+    def _chunk_size(self, seqs: list[Sequence], budget: int) -> int:
+        """Tokens per sequence this step (0: does not fit the budget now)."""
+        remaining = seqs[0].num_uncomputed_tokens
+        if any(s.num_uncomputed_tokens != remaining for s in seqs):
+            raise RuntimeError(f"sequences {[s.seq_id for s in seqs]} of one group are out of step")
+        chunk = min(remaining, budget // len(seqs))
+        if chunk < remaining and not self.scheduler_config.enable_chunked_prefill:
+            return 0
+        return max(chunk, 0)
+
+    def _add_scheduled(
+        self, out: SchedulerOutput, group: SequenceGroup, seqs: list[Sequence], chunk: int
+    ) -> None:
+        for seq in seqs:
+            out.blocks_to_copy += self.block_manager.append_slots(seq, chunk)
+        do_sample = seqs[0].num_computed_tokens + chunk == seqs[0].get_len()
+        out.scheduled_seq_groups.append(ScheduledSequenceGroup(group, chunk, do_sample))
+        out.num_batched_tokens += chunk * len(seqs)
+        if group.metrics.first_scheduled_time is None:
+            group.metrics.first_scheduled_time = time.monotonic()
+
+    @staticmethod
+    def _seq_slots(group: SequenceGroup) -> int:
+        """Sequences the group runs once forked: a best_of request reserves all its samples."""
+        num_finished = sum(s.is_finished() for s in group.get_seqs())
+        num_active = group.num_seqs() - num_finished
+        return max(group.max_num_samples - num_finished, num_active)
+
+    def _num_running_seqs(self) -> int:
+        return sum(self._seq_slots(g) for g in self.running)
+
+    def _schedule_running(self, out: SchedulerOutput) -> None:
+        kept: deque[SequenceGroup] = deque()
+        while self.running:
+            group = self.running.popleft()
+            seqs = group.get_seqs(SequenceStatus.RUNNING)
+            chunk = self._chunk_size(seqs, self._budget_left(out)) if seqs else 0
+            if chunk == 0:
+                kept.append(group)
+                continue
+            while not self.block_manager.can_append_slots(group):
+                if self.running:
+                    self._preempt(self.running.pop(), out)
+                    continue
+                if not kept:
+                    # Alone on the device and still short of blocks: it can never run.
+                    self._ignore(group, out)
+                else:
+                    self._preempt(group, out)
+                break
+            else:
+                self._add_scheduled(out, group, seqs, chunk)
+                kept.append(group)
+        self.running = kept
+
+    def _schedule_swapped(self, out: SchedulerOutput) -> None:
+        max_seqs = self.scheduler_config.max_num_seqs
+        num_seqs = self._num_running_seqs()
+        while self.swapped:
+            group = self.swapped[0]
+            status = self.block_manager.can_swap_in(group)
+            if status == AllocStatus.NEVER:
+                self.swapped.popleft()
+                self._ignore(group, out)
+                continue
+            if status == AllocStatus.LATER:
+                break
+            seqs = group.get_seqs(SequenceStatus.SWAPPED)
+            chunk = self._chunk_size(seqs, self._budget_left(out))
+            slots = self._seq_slots(group)
+            if chunk == 0 or num_seqs + slots > max_seqs:
+                break
+            self.swapped.popleft()
+            out.blocks_to_swap_in += self.block_manager.swap_in(group)
+            for seq in seqs:
+                seq.status = SequenceStatus.RUNNING
+            self.running.append(group)
+            num_seqs += slots
+            self._add_scheduled(out, group, seqs, chunk)
+
+    def _schedule_waiting(self, out: SchedulerOutput) -> None:
+        max_seqs = self.scheduler_config.max_num_seqs
+        max_len = self.scheduler_config.max_model_len
+        num_seqs = self._num_running_seqs()
+        while self.waiting:
+            group = self.waiting[0]
+            seq = group.get_seqs(SequenceStatus.WAITING)[0]
+            if seq.get_prompt_len() > max_len:
+                self.waiting.popleft()
+                self._ignore(group, out)
+                continue
+            status = self.block_manager.can_allocate(group)
+            if status == AllocStatus.NEVER:
+                self.waiting.popleft()
+                self._ignore(group, out)
+                continue
+            slots = self._seq_slots(group)
+            if status == AllocStatus.LATER or num_seqs + slots > max_seqs:
+                break
+            budget = self._budget_left(out)
+            if budget <= 0:
+                break
+            if not self.scheduler_config.enable_chunked_prefill and seq.get_len() > budget:
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(group)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(group)
+            num_seqs += slots
+            self._add_scheduled(out, group, [seq], self._chunk_size([seq], budget))
+
+    # ---- preemption ------------------------------------------------------------------------
+
+    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        for seq in group.get_seqs():
+            if seq.is_finished():
+                self.block_manager.free(seq)
+        running = group.get_seqs(SequenceStatus.RUNNING)
+        swap = len(running) > 1 or self.scheduler_config.preemption_mode == "swap"
+        if swap and not self.block_manager.can_swap_out(group):
+            if len(running) > 1:
+                # Forks cannot be recomputed and there is no swap space left for them.
+                self._ignore(group, out)
+                return
+            swap = False
+        out.num_preempted += 1
+        if swap:
+            out.blocks_to_swap_out += self.block_manager.swap_out(group)
+            for seq in running:
+                seq.status = SequenceStatus.SWAPPED
+            self.swapped.appendleft(group)
+            self.stats.num_preemptions_swap += 1
+        else:
+            for seq in running:
+                self.block_manager.free(seq)
+                seq.reset_for_recompute()
+            self.waiting.appendleft(group)
+            self.stats.num_preemptions_recompute += 1
+
+    def _ignore(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        """Finish a request that can never fit in the KV cache."""
+        for seq in group.get_seqs():
+            if not seq.is_finished():
+                seq.status = SequenceStatus.FINISHED_IGNORED
+            self.block_manager.free(seq)
+        out.ignored_seq_groups.append(group)
+        self._forget(group)
+
+    # ---- metrics ---------------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)
+
+    @property
+    def gpu_cache_usage(self) -> float:
+        return self.block_manager.gpu_usage()
+
+    @property
+    def cpu_cache_usage(self) -> float:
+        return self.block_manager.cpu_usage()
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.block_manager.prefix_cache_hit_rate()

@@ -1,0 +1,188 @@
+"""Sequence (one stream of tokens) and SequenceGroup (all samples of one request)."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from pagedllm.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    # Rejected by the scheduler: can never fit in the KV cache.
+    FINISHED_IGNORED = "ignored"
+
+    @property
+    def is_finished(self) -> bool:
+        return self.name.startswith("FINISHED")
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.value if self.is_finished else None
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None  # 1 = most likely token
+    decoded_token: str | None = None
+
+
+# Per generated token: the chosen token and the top-k alternatives.
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+class Sequence:
+    """The token ids of one sample and how many of them already have KV in the cache."""
+
+    def __init__(self, seq_id: int, prompt_token_ids: list[int], block_size: int) -> None:
+        self.seq_id = seq_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.output_logprobs: SampleLogprobs = []
+        self.cumulative_logprob = 0.0
+        self.block_size = block_size
+        self.status = SequenceStatus.WAITING
+        # Tokens whose K/V are written in the cache. The next step computes
+        # tokens [num_computed_tokens, num_computed_tokens + chunk).
+        self.num_computed_tokens = 0
+        self.output_text = ""
+        self.stop_reason: int | str | None = None
+        # Incremental detokenizer state (see engine/detokenizer.py).
+        self.tokens: list[str] | None = None
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.generator: torch.Generator | None = None
+
+    def get_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def get_len(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def get_prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def get_output_len(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.get_len() - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """True while more than the newest token still needs computing."""
+        return self.num_uncomputed_tokens > 1 or not self.output_token_ids
+
+    def append_token(
+        self, token_id: int, logprob: float = 0.0, top_logprobs: dict[int, Logprob] | None = None
+    ) -> None:
+        self.output_token_ids.append(token_id)
+        self.cumulative_logprob += logprob
+        if top_logprobs is not None:
+            self.output_logprobs.append(top_logprobs)
+
+    def reset_for_recompute(self) -> None:
+        """Preempted by recompute: the KV is dropped and prompt + output recomputed."""
+        self.num_computed_tokens = 0
+        self.status = SequenceStatus.WAITING
+
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def fork(self, new_seq_id: int) -> "Sequence":
+        child = Sequence(new_seq_id, self.prompt_token_ids, self.block_size)
+        child.output_token_ids = list(self.output_token_ids)
+        child.output_logprobs = list(self.output_logprobs)
+        child.cumulative_logprob = self.cumulative_logprob
+        child.status = self.status
+        child.num_computed_tokens = self.num_computed_tokens
+        child.output_text = self.output_text
+        child.tokens = list(self.tokens) if self.tokens is not None else None
+        child.prefix_offset = self.prefix_offset
+        child.read_offset = self.read_offset
+        return child
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, status={self.status.name}, len={self.get_len()}, "
+            f"computed={self.num_computed_tokens})"
+        )
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+class SequenceGroup:
+    """One request: its prompt and all its samples (n, or best_of while sampling)."""
+
+    def __init__(
+        self,
+        request_id: str,
+        seqs: list[Sequence],
+        sampling_params: SamplingParams,
+        prompt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.seqs_dict = {s.seq_id: s for s in seqs}
+        self.sampling_params = sampling_params
+        self.prompt = prompt
+        self.metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic())
+        # prompt_logprobs[i] is for prompt token i (None for the first token).
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+        # Number of prompt tokens found in the prefix cache at admission.
+        self.num_cached_tokens = 0
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return next(iter(self.seqs_dict.values())).prompt_token_ids
+
+    def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
+        seqs = list(self.seqs_dict.values())
+        return seqs if status is None else [s for s in seqs if s.status == status]
+
+    def get_unfinished_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs_dict.values() if not s.is_finished()]
+
+    def num_seqs(self, status: SequenceStatus | None = None) -> int:
+        return len(self.get_seqs(status))
+
+    def add(self, seq: Sequence) -> None:
+        self.seqs_dict[seq.seq_id] = seq
+
+    def remove(self, seq_id: int) -> None:
+        del self.seqs_dict[seq_id]
+
+    def is_finished(self) -> bool:
+        return all(s.is_finished() for s in self.seqs_dict.values())
+
+    @property
+    def max_num_samples(self) -> int:
+        """Sequences this group will hold once sampling has forked (best_of)."""
+        p = self.sampling_params
+        return max(p.n, p.best_of or p.n)
+
+    def __repr__(self) -> str:
+        return f"SequenceGroup(request_id={self.request_id}, seqs={list(self.seqs_dict.values())})"

@@ -1,0 +1,294 @@
+"""The `pagedllm` command: serve | generate | chat | bench.
+
+Bad options and models that fail to load print one line `error: <message>` and exit 2.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import shlex
+import sys
+import time
+from typing import NoReturn
+
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """A problem the user can fix from the command line: one `error:` line, exit 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from pagedllm.engine.arg_utils import EngineArgs
+
+    parser = Parser(prog="pagedllm", description="pagedllm: a PagedAttention LLM engine.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
+    sub.required = True
+
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
+                           description="Serve the model over an OpenAI-compatible HTTP API.")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0: any free)")
+    serve.add_argument("--api-key", default=None,
+                       help="require `Authorization: Bearer KEY` on every /v1 route")
+    serve.add_argument("--log-level", default="warning",
+                       choices=["critical", "error", "warning", "info", "debug"])
+    EngineArgs.add_cli_args(serve)
+
+    gen = sub.add_parser("generate", help="answer one prompt and stream it to stdout",
+                         description="Answer one prompt, streaming the text to stdout.")
+    gen.add_argument("prompt", help="the prompt (a user message unless --raw)")
+    gen.add_argument("--raw", action="store_true",
+                     help="send the prompt as is, without the model's chat template")
+    _add_sampling_args(gen)
+    EngineArgs.add_cli_args(gen)
+
+    chat = sub.add_parser("chat", help="interactive chat in the terminal (reads stdin)",
+                          description="Chat with the model: one message per line on stdin; "
+                          "/exit or end of input quits.")
+    _add_sampling_args(chat)
+    EngineArgs.add_cli_args(chat)
+
+    bench = sub.add_parser(
+        "bench", help="run a benchmark workload",
+        description="Run a benchmark: `pagedllm bench serve --help` drives the HTTP server "
+        "with concurrent streaming clients; other workloads come from "
+        "pagedllm.benchmarks.workloads.",
+    )
+    bench.add_argument("workload", help="`serve`, or a workload of pagedllm.benchmarks.workloads")
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="options of the workload")
+    return parser
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=512, help="most tokens to generate")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="0 picks the most likely token (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--system", default=None, help="a system message for the chat template")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        # `bench WORKLOAD ...`: the workload parses its own options (and its own --help).
+        if len(argv) >= 2 and argv[0] == "bench" and not argv[1].startswith("-"):
+            return run_bench(argv[1], argv[2:])
+        args = build_parser().parse_args(argv)
+        if args.command == "serve":
+            return run_serve(args)
+        if args.command == "generate":
+            return run_generate(args)
+        if args.command == "chat":
+            return run_chat(args)
+        return run_bench(args.workload, args.args)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+
+
+# ---------------------------------------------------------------- engine loading
+
+
+def load_engine(args: argparse.Namespace):
+    """Build the LLMEngine, showing progress on stderr; bad options or models -> UsageError."""
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.engine.llm_engine import LLMEngine
+
+    try:
+        engine_args = EngineArgs.from_cli_args(args)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    shown = engine_args.model or "the default model (SmolLM2-135M-Instruct)"
+    print(f"Loading {shown} ...", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    try:
+        engine = LLMEngine.from_engine_args(engine_args)
+    except (ValueError, OSError) as exc:  # ModelLoadError is a ValueError
+        raise UsageError(str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)) \
+            from None
+    stats = engine.get_stats()
+    print(
+        f"Loaded {engine.model_name} in {time.perf_counter() - start:.1f} s "
+        f"(context {engine.max_model_len} tokens, KV cache "
+        f"{stats.num_gpu_blocks * stats.block_size} tokens)",
+        file=sys.stderr, flush=True,
+    )
+    return engine
+
+
+def _show_progress_logs(level: int = logging.INFO) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log = logging.getLogger("pagedllm")
+    log.addHandler(handler)
+    log.setLevel(level)
+
+
+# ------------------------------------------------------------------------ serve
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from pagedllm.engine.async_engine import AsyncLLMEngine
+    from pagedllm.entrypoints.openai.api_server import bind_socket, serve
+
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port must be in [0, 65535], got {args.port}")
+    try:
+        sock = bind_socket(args.host, args.port)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    _show_progress_logs()
+    engine = AsyncLLMEngine(load_engine(args))
+
+    def announce(url: str) -> None:
+        print(ready_message(url, engine.model_name, args.api_key), flush=True)
+
+    asyncio.run(serve(engine, sock, args.api_key, announce, args.log_level))
+    return 0
+
+
+def ready_message(url: str, model: str, api_key: str | None) -> str:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}],
+                       "max_tokens": 64})
+    auth = " -H 'Authorization: Bearer <your --api-key>'" if api_key else ""
+    return (
+        f"pagedllm is serving {model} at {url}  (Ctrl-C to stop)\n"
+        f"Try:\n  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
+        f"-d {shlex.quote(body)}"
+    )
+
+
+# ------------------------------------------------------------- generate / chat
+
+
+def _sampling_params(args: argparse.Namespace):
+    from pagedllm.sampling_params import SamplingParams
+
+    try:
+        return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                              top_p=args.top_p)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def stream_answer(engine, prompt: str | list[int], params, request_id: str) -> str:
+    """Run one request to the end, writing its text to stdout as it comes."""
+    engine.add_request(request_id, prompt, params)
+    text = []
+    try:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id != request_id:
+                    continue
+                if out.error:
+                    raise ValueError(out.error)
+                delta = out.deltas[0][0] if out.deltas else ""
+                if delta:
+                    sys.stdout.write(delta)
+                    sys.stdout.flush()
+                    text.append(delta)
+                if out.finished:
+                    return "".join(text)
+    finally:
+        engine.abort_request(request_id)  # a no-op once it has finished
+    return "".join(text)
+
+
+def _chat_prompt(engine, messages: list[dict]) -> list[int]:
+    # As LLM.chat: the template writes the special tokens, so none are added.
+    text = engine.apply_chat_template(messages, add_generation_prompt=True)
+    return engine.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _has_chat_template(engine) -> bool:
+    return engine.tokenizer is not None and bool(getattr(engine.tokenizer, "chat_template", None))
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    params = _sampling_params(args)
+    engine = load_engine(args)
+    prompt: str | list[int] = args.prompt
+    if not args.raw:
+        if _has_chat_template(engine):
+            messages = [{"role": "system", "content": args.system}] if args.system else []
+            prompt = _chat_prompt(engine, messages + [{"role": "user", "content": args.prompt}])
+        else:
+            print("note: the model has no chat template; sending the prompt as is",
+                  file=sys.stderr)
+    try:
+        stream_answer(engine, prompt, params, "generate-0")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    sys.stdout.write("\n")
+    return 0
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    params = _sampling_params(args)
+    engine = load_engine(args)
+    if not _has_chat_template(engine):
+        raise UsageError("the model has no chat template; use `pagedllm generate --raw`")
+    history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print("Type a message and press Enter; /exit or Ctrl-D quits.", file=sys.stderr)
+    for turn in range(sys.maxsize):
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            break
+        line = line.strip()
+        if not line:
+            continue
+        if line in ("/exit", "/quit"):
+            break
+        history.append({"role": "user", "content": line})
+        try:
+            answer = stream_answer(engine, _chat_prompt(engine, history), params, f"chat-{turn}")
+        except ValueError as exc:  # e.g. the conversation outgrew the context
+            history.pop()
+            print(f"\nerror: {exc}", file=sys.stderr, flush=True)
+            continue
+        except KeyboardInterrupt:  # stop this answer, keep the conversation
+            history.pop()
+            print("\n[interrupted]", file=sys.stderr, flush=True)
+            continue
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        history.append({"role": "assistant", "content": answer})
+    return 0
+
+
+# ------------------------------------------------------------------------ bench
+
+
+def run_bench(workload: str, argv: list[str]) -> int:
+    if workload == "serve":
+        from pagedllm.benchmarks import serve_bench
+
+        return serve_bench.main(argv)
+    try:
+        workloads = importlib.import_module("pagedllm.benchmarks.workloads")
+    except ModuleNotFoundError as exc:
+        if exc.name != "pagedllm.benchmarks.workloads":
+            raise
+        raise UsageError(f"unknown benchmark workload {workload!r}; try `serve`") from None
+    return workloads.main([workload, *argv]) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

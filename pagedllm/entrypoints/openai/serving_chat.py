@@ -1,0 +1,192 @@
+"""POST /v1/chat/completions: messages through the model's chat template, SSE or not."""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pagedllm.engine.sequence import Logprob
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+    ChatResponseMessage,
+    ChoiceLogprobs,
+    DeltaMessage,
+    TokenLogprob,
+    TopLogprob,
+    UsageInfo,
+    now,
+    random_id,
+)
+from pagedllm.entrypoints.openai.serving_completion import finish_reason
+from pagedllm.entrypoints.openai.serving_engine import (
+    SSE_DONE,
+    OpenAIError,
+    OpenAIServing,
+    check_output,
+    final_outputs,
+    sse,
+    sse_error,
+)
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template expects them; text parts are joined into one string."""
+    result = []
+    for i, message in enumerate(messages):
+        d = message.model_dump(exclude_none=True)
+        if isinstance(message.content, list):
+            texts = []
+            for part in message.content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise OpenAIError(
+                        f"messages[{i}].content: only text parts are supported",
+                        param=f"messages.{i}.content",
+                    )
+                texts.append(part["text"])
+            d["content"] = "".join(texts)
+        result.append(d)
+    return result
+
+
+class OpenAIServingChat(OpenAIServing):
+    async def render_prompt(
+        self, messages: list[ChatMessage], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """The conversation through the chat template, as token ids (the template already
+        wrote the special tokens, so none are added), exactly as LLM.chat does."""
+        dicts = message_dicts(messages)
+        engine = self.engine.engine
+
+        def render() -> list[int]:
+            text = engine.apply_chat_template(dicts, add_generation_prompt)
+            return engine.tokenizer.encode(text, add_special_tokens=False)
+
+        try:
+            return await self.engine.run_in_engine_thread(render)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise OpenAIError(f"cannot apply the chat template: {exc}", param="messages") from None
+        except Exception as exc:  # jinja2 errors raised by the template itself
+            if type(exc).__module__.startswith("jinja2"):
+                raise OpenAIError(f"chat template error: {exc}", param="messages") from None
+            raise
+
+    async def create_chat_completion(
+        self, request: ChatCompletionRequest
+    ) -> ChatCompletionResponse | AsyncIterator[str]:
+        self.check_model(request.model)
+        if request.top_logprobs is not None and not request.logprobs:
+            raise OpenAIError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        params = self.sampling_params(
+            request,
+            max_tokens=request.max_completion_tokens
+            if request.max_completion_tokens is not None else request.max_tokens,
+            logprobs=(request.top_logprobs or 0) if request.logprobs else None,
+        )
+        prompt = await self.render_prompt(request.messages, request.add_generation_prompt)
+        request_id = random_id("chatcmpl")
+        streams = await self.add_requests([prompt], params, request_id)
+        if request.stream:
+            return self._stream(request, request_id, streams)
+        (out,) = await final_outputs(streams)
+        choices = []
+        for j, o in enumerate(out.outputs):
+            choices.append(ChatCompletionChoice(
+                index=j,
+                message=ChatResponseMessage(content=o.text),
+                logprobs=self._logprobs(o.token_ids, o.logprobs or [], request.top_logprobs or 0)
+                if request.logprobs else None,
+                finish_reason=finish_reason(o),
+                stop_reason=o.stop_reason,
+            ))
+        completion_tokens = sum(len(o.token_ids) for o in out.outputs)
+        usage = UsageInfo(
+            prompt_tokens=len(out.prompt_token_ids),
+            completion_tokens=completion_tokens,
+            total_tokens=len(out.prompt_token_ids) + completion_tokens,
+        )
+        return ChatCompletionResponse(
+            id=request_id, model=self.model_name, choices=choices, usage=usage
+        )
+
+    async def _stream(self, request: ChatCompletionRequest, request_id: str, streams) -> AsyncIterator[str]:
+        created = now()
+        (stream,) = streams
+        sent_tokens = [0] * request.n
+        done: set[int] = set()
+        prompt_tokens = 0
+
+        def chunk(choices: list[ChatCompletionStreamChoice]) -> str:
+            return sse(ChatCompletionStreamResponse(
+                id=request_id, created=created, model=self.model_name, choices=choices
+            ))
+
+        try:
+            # OpenAI opens every choice with the role and empty content.
+            for j in range(request.n):
+                yield chunk([ChatCompletionStreamChoice(
+                    index=j, delta=DeltaMessage(role="assistant", content="")
+                )])
+            async for out in stream:
+                check_output(out)
+                prompt_tokens = len(out.prompt_token_ids)
+                for j, o in enumerate(out.outputs):
+                    if j in done:
+                        continue
+                    delta_text, delta_ids = out.deltas[j] if j < len(out.deltas) else ("", [])
+                    if not (delta_text or delta_ids or o.finished()):
+                        continue
+                    logprobs = None
+                    if request.logprobs:
+                        start = sent_tokens[j]
+                        logprobs = self._logprobs(
+                            delta_ids, (o.logprobs or [])[start:start + len(delta_ids)],
+                            request.top_logprobs or 0,
+                        )
+                    sent_tokens[j] += len(delta_ids)
+                    reason = finish_reason(o) if o.finished() else None
+                    if o.finished():
+                        done.add(j)
+                    yield chunk([ChatCompletionStreamChoice(
+                        index=j,
+                        delta=DeltaMessage(content=delta_text) if delta_text else DeltaMessage(),
+                        logprobs=logprobs,
+                        finish_reason=reason,
+                        stop_reason=o.stop_reason if reason else None,
+                    )])
+            if request.stream_options and request.stream_options.include_usage:
+                completion_tokens = sum(sent_tokens)
+                yield sse(ChatCompletionStreamResponse(
+                    id=request_id, created=created, model=self.model_name, choices=[],
+                    usage=UsageInfo(prompt_tokens=prompt_tokens,
+                                    completion_tokens=completion_tokens,
+                                    total_tokens=prompt_tokens + completion_tokens),
+                ))
+        except Exception as exc:  # the status line is gone: report in the stream
+            yield sse_error(exc)
+        finally:
+            stream.abort()
+        yield SSE_DONE
+
+    def _logprobs(
+        self, token_ids: list[int], logprobs: list[dict[int, Logprob]], num_top: int
+    ) -> ChoiceLogprobs:
+        content = []
+        for token_id, step in zip(token_ids, logprobs):
+            chosen = step.get(token_id)
+            token = self.token_str(token_id, chosen)
+            top = sorted(step.items(), key=lambda kv: -kv[1].logprob)[:num_top]
+            content.append(TokenLogprob(
+                token=token,
+                logprob=chosen.logprob if chosen else float("-inf"),
+                bytes=list(token.encode("utf-8")),
+                top_logprobs=[
+                    TopLogprob(token=(s := self.token_str(t, lp)), logprob=lp.logprob,
+                               bytes=list(s.encode("utf-8")))
+                    for t, lp in top
+                ],
+            ))
+        return ChoiceLogprobs(content=content)

@@ -1,0 +1,431 @@
+"""Paged attention in Triton: the CUDA path of pagedllm/kernels/reference.py:paged_attention.
+
+Two kernels share one inner step (an online-softmax update over a tile of keys gathered
+through the block table):
+
+- Decode (every sequence has one query token): flash-decoding. The grid is
+  (sequence, KV head, split). A program serves all query heads that share its KV head, so
+  each K/V tile is read once per group (GQA), and reduces one slice of the context into a
+  partial (max, sum, acc). A second small kernel merges the splits. Splitting the context
+  keeps the GPU busy when there are few sequences with long contexts.
+- Everything else (prefill, chunked prefill with cached context, mixed batches): a
+  flash-attention style kernel over (sequence, query tile, KV head). A tile's rows are
+  (query token, head of the GQA group) pairs, so K/V is again read once per group. Causal
+  masking uses absolute positions: query j of sequence i sits at seq_len - q_len + j.
+
+Scores live in the log2 domain (exp2 is cheaper than exp): the softmax scale and the ALiBi
+bias are pre-multiplied by log2(e). Accumulation is fp32 whatever the input dtype.
+Grid sizes come from the host lists in the metadata; nothing here syncs with the device.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedllm.layers.metadata import PagedAttentionInputMetadata
+
+LOG2E = 1.4426950408889634
+
+# Tile sizes (keys per inner step, query rows per prefill tile). Module constants so a
+# benchmark or a test can change them.
+DECODE_BLOCK_N = 64
+PREFILL_BLOCK_M = 64
+PREFILL_BLOCK_N = 64
+MAX_SPLITS = 16
+MIN_SPLIT_TOKENS = 256  # a split reduces at least this many keys
+
+
+# --------------------------------------------------------------------------------------
+# Shared device helpers
+# --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _kv_tile_offsets(
+    block_table_row_ptr, k_pos, kv_mask, kv_head,
+    stride_c_block, stride_c_offset, stride_c_head, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    """Element offsets [BLOCK_N, HEAD_DIM] of the keys at positions k_pos, via the block table.
+
+    A tile of keys may span several cache blocks; each key finds its own block.
+    """
+    block = tl.load(block_table_row_ptr + k_pos // BLOCK_SIZE, mask=kv_mask, other=0).to(tl.int64)
+    rows = block * stride_c_block + (k_pos % BLOCK_SIZE) * stride_c_offset + kv_head * stride_c_head
+    return rows[:, None] + tl.arange(0, HEAD_DIM)[None, :]
+
+
+@triton.jit
+def _online_softmax_step(
+    q, k, v, allowed, bias, m_i, l_i, acc, qk_scale,
+    USE_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Fold one tile of keys into the running (max, sum, acc) of each query row."""
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
+    if USE_ALIBI:
+        s += bias
+    s = tl.where(allowed, s, float("-inf"))
+    # m_i starts finite (-1e30), so a row whose keys are all masked never computes inf - inf.
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = v.to(q.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+# --------------------------------------------------------------------------------------
+# Decode: split-KV (flash-decoding)
+# --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _paged_decode_kernel(
+    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+    q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, alibi_ptr,
+    qk_scale, sliding_window, num_heads,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_c_kv, stride_c_block, stride_c_offset, stride_c_head, stride_bt,
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+    GROUP: tl.constexpr,  # query heads per KV head
+    GROUP_PAD: tl.constexpr,  # >= 16, the smallest M a tensor-core dot takes
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_ALIBI: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)  # decode: token index == sequence index
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    rows = tl.arange(0, GROUP_PAD)
+    row_valid = rows < GROUP
+    heads = kv_head * GROUP + rows
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(
+        q_ptr + seq * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+        mask=row_valid[:, None], other=0.0,
+    )
+
+    seq_len = tl.load(seq_lens_ptr + seq)
+    q_pos = seq_len - 1
+    kv_lo = 0
+    if USE_WINDOW:
+        kv_lo = tl.maximum(seq_len - sliding_window - 1, 0)
+    # This split's share of the key tiles [first_tile, last_tile).
+    first_tile = kv_lo // BLOCK_N
+    num_tiles = tl.cdiv(seq_len, BLOCK_N) - first_tile
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_lo = first_tile + split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, first_tile + num_tiles)
+
+    slopes = tl.zeros([GROUP_PAD], tl.float32)
+    if USE_ALIBI:
+        slopes = tl.load(alibi_ptr + heads, mask=row_valid, other=0.0) * LOG2E
+
+    m_i = tl.full([GROUP_PAD], -1e30, tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    table_row = block_tables_ptr + seq * stride_bt
+    for tile in range(tile_lo, tile_hi):
+        k_pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        kv_mask = (k_pos >= kv_lo) & (k_pos < seq_len)
+        offs = _kv_tile_offsets(
+            table_row, k_pos, kv_mask, kv_head,
+            stride_c_block, stride_c_offset, stride_c_head, BLOCK_SIZE, HEAD_DIM,
+        )
+        k = tl.load(cache_ptr + offs, mask=kv_mask[:, None], other=0.0)
+        v = tl.load(cache_ptr + stride_c_kv + offs, mask=kv_mask[:, None], other=0.0)
+        bias = slopes[:, None] * (k_pos - q_pos).to(tl.float32)[None, :]
+        m_i, l_i, acc = _online_softmax_step(
+            q, k, v, kv_mask[None, :], bias, m_i, l_i, acc, qk_scale, USE_ALIBI, DOT_PRECISION,
+        )
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(row_valid, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr + seq * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+            out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None],
+        )
+    else:
+        # An empty split leaves (m, l, acc) = (-1e30, 0, 0): its merge weight is 0.
+        part = (seq * num_heads + heads) * NUM_SPLITS + split
+        tl.store(part_m_ptr + part, m_i, mask=row_valid)
+        tl.store(part_l_ptr + part, l_i, mask=row_valid)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_valid[:, None])
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+    num_heads, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    split_mask = splits < NUM_SPLITS
+    dims = tl.arange(0, HEAD_DIM)
+    part = (seq * num_heads + head) * NUM_SPLITS + splits
+
+    m = tl.load(part_m_ptr + part, mask=split_mask, other=float("-inf"))
+    l = tl.load(part_l_ptr + part, mask=split_mask, other=0.0)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=split_mask[:, None], other=0.0)
+    weight = tl.exp2(m - tl.max(m, 0))
+    out = tl.sum(acc * weight[:, None], 0) / tl.sum(l * weight, 0)
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
+
+
+# --------------------------------------------------------------------------------------
+# Prefill / chunked prefill / mixed batches
+# --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _paged_prefill_kernel(
+    out_ptr, q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, alibi_ptr,
+    qk_scale, sliding_window,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_c_kv, stride_c_block, stride_c_offset, stride_c_head, stride_bt,
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,  # query tokens per tile; the tile has BLOCK_Q * GROUP_PAD rows
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_ALIBI: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    q_tile = tl.program_id(1)
+    kv_head = tl.program_id(2)
+
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if q_tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len  # keys already in the cache before this step's tokens
+
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = q_tile * BLOCK_Q + rows // GROUP_PAD  # query token within the sequence
+    head_in_group = rows % GROUP_PAD
+    row_valid = (q_idx < q_len) & (head_in_group < GROUP)
+    heads = kv_head * GROUP + head_in_group
+    q_pos = context_len + q_idx
+    dims = tl.arange(0, HEAD_DIM)
+    q_offs = (q_start + q_idx).to(tl.int64)[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :]
+    q = tl.load(q_ptr + q_offs, mask=row_valid[:, None], other=0.0)
+
+    # Keys this tile can see: up to its last query's position, from its first query's window.
+    kv_hi = tl.minimum(seq_len, context_len + (q_tile + 1) * BLOCK_Q)
+    kv_lo = 0
+    if USE_WINDOW:
+        kv_lo = tl.maximum(context_len + q_tile * BLOCK_Q - sliding_window + 1, 0)
+
+    slopes = tl.zeros([BLOCK_M], tl.float32)
+    if USE_ALIBI:
+        slopes = tl.load(alibi_ptr + heads, mask=row_valid, other=0.0) * LOG2E
+
+    m_i = tl.full([BLOCK_M], -1e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    table_row = block_tables_ptr + seq * stride_bt
+    for start in range(kv_lo // BLOCK_N * BLOCK_N, kv_hi, BLOCK_N):
+        k_pos = start + tl.arange(0, BLOCK_N)
+        kv_mask = k_pos < kv_hi
+        offs = _kv_tile_offsets(
+            table_row, k_pos, kv_mask, kv_head,
+            stride_c_block, stride_c_offset, stride_c_head, BLOCK_SIZE, HEAD_DIM,
+        )
+        k = tl.load(cache_ptr + offs, mask=kv_mask[:, None], other=0.0)
+        v = tl.load(cache_ptr + stride_c_kv + offs, mask=kv_mask[:, None], other=0.0)
+        rel = k_pos[None, :] - q_pos[:, None]
+        allowed = (rel <= 0) & kv_mask[None, :]
+        if USE_WINDOW:
+            allowed &= rel > -sliding_window
+        bias = slopes[:, None] * rel.to(tl.float32)
+        m_i, l_i, acc = _online_softmax_step(
+            q, k, v, allowed, bias, m_i, l_i, acc, qk_scale, USE_ALIBI, DOT_PRECISION,
+        )
+
+    out = acc / tl.where(row_valid, l_i, 1.0)[:, None]  # padding rows have l_i == 0
+    o_offs = (q_start + q_idx).to(tl.int64)[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+    tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+
+
+# --------------------------------------------------------------------------------------
+# Host side
+# --------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # the interpreter: any value works
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(max_seq_len: int, num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+    """How many slices to cut each context into for decode.
+
+    Enough programs to fill the GPU twice over, but never a slice shorter than
+    MIN_SPLIT_TOKENS keys (the merge would cost more than it saves).
+    """
+    by_length = triton.cdiv(max_seq_len, MIN_SPLIT_TOKENS)
+    by_occupancy = triton.cdiv(2 * _num_sms(device), max(1, num_seqs * num_kv_heads))
+    return max(1, min(MAX_SPLITS, by_length, by_occupancy))
+
+
+def _check_inputs(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: PagedAttentionInputMetadata,
+    sliding_window: int | None,
+    alibi: torch.Tensor | None,
+) -> None:
+    if query.dim() != 3:
+        raise ValueError(f"query must have shape [num_tokens, num_heads, head_dim], got {tuple(query.shape)}")
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(
+            "kv_cache must have shape [2, num_blocks, block_size, num_kv_heads, head_dim], "
+            f"got {tuple(kv_cache.shape)}"
+        )
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads, cache_head_dim = kv_cache.shape[-2:]
+    if query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"query dtype must be float32, float16 or bfloat16, got {query.dtype}")
+    if head_dim != cache_head_dim:
+        raise ValueError(f"query head_dim {head_dim} does not match kv_cache head_dim {cache_head_dim}")
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two >= 16 for the Triton kernels, got {head_dim}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if kv_cache.stride(-1) != 1:
+        raise ValueError("kv_cache must be contiguous in its last (head_dim) dimension")
+    if meta.block_tables.dim() != 2 or meta.block_tables.stride(-1) != 1:
+        raise ValueError("meta.block_tables must be a 2-D tensor contiguous in its last dimension")
+    if num_tokens != sum(meta.query_lens_host):
+        raise ValueError(
+            f"query has {num_tokens} tokens but the metadata's query lengths sum to {sum(meta.query_lens_host)}"
+        )
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    if alibi is not None and tuple(alibi.shape) != (num_heads,):
+        raise ValueError(f"alibi slopes must have shape ({num_heads},), got {tuple(alibi.shape)}")
+
+
+def triton_paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    meta: PagedAttentionInputMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    alibi: torch.Tensor | None = None,  # [num_heads] slopes
+    *,
+    num_splits: int | None = None,  # decode only; None = choose_num_splits (fix it for CUDA graphs)
+    out: torch.Tensor | None = None,  # written in place and returned; shaped like query
+) -> torch.Tensor:
+    """Causal attention of each query token over its sequence's cached context.
+
+    Same contract as pagedllm.kernels.reference.paged_attention; the step's K/V must already
+    be in the cache (triton_write_kv_cache).
+    """
+    _check_inputs(query, kv_cache, meta, sliding_window, alibi)
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    if out is None:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    elif out.shape != query.shape or out.dtype != query.dtype or out.stride(-1) != 1:
+        raise ValueError(
+            f"out must be a {query.dtype} tensor of shape {tuple(query.shape)} contiguous in its last "
+            f"dimension, got {out.dtype} {tuple(out.shape)}"
+        )
+    if query.shape[0] == 0:
+        return out
+
+    num_heads, head_dim = query.shape[1:]
+    num_kv_heads = kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    if alibi is not None:
+        alibi = alibi.to(device=query.device, dtype=torch.float32).contiguous()
+    common = dict(
+        qk_scale=scale * LOG2E,
+        sliding_window=sliding_window or 0,
+        BLOCK_SIZE=kv_cache.shape[2],
+        stride_qt=query.stride(0),
+        stride_qh=query.stride(1),
+        stride_ot=out.stride(0),
+        stride_oh=out.stride(1),
+        stride_c_kv=kv_cache.stride(0),
+        stride_c_block=kv_cache.stride(1),
+        stride_c_offset=kv_cache.stride(2),
+        stride_c_head=kv_cache.stride(3),
+        stride_bt=meta.block_tables.stride(0),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        USE_WINDOW=sliding_window is not None,
+        USE_ALIBI=alibi is not None,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+    )
+    alibi_arg = alibi if alibi is not None else meta.seq_lens  # any tensor; never read
+
+    if meta.max_query_len == 1:
+        _decode(out, query, kv_cache, meta, alibi_arg, num_splits, common)
+    else:
+        block_m = max(PREFILL_BLOCK_M, triton.next_power_of_2(group))
+        group_pad = triton.next_power_of_2(group)
+        block_q = block_m // group_pad
+        grid = (meta.num_seqs, triton.cdiv(meta.max_query_len, block_q), num_kv_heads)
+        _paged_prefill_kernel[grid](
+            out, query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, alibi_arg,
+            GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=PREFILL_BLOCK_N,
+            num_warps=4, num_stages=2, **common,
+        )
+    return out
+
+
+def _partial_buffers(num_seqs: int, num_heads: int, num_splits: int, head_dim: int, device: torch.device):
+    """Per-split (max, sum, acc) in fp32; every element is written by the decode kernel."""
+    f32 = dict(dtype=torch.float32, device=device)
+    return (
+        torch.empty(num_seqs, num_heads, num_splits, **f32),
+        torch.empty(num_seqs, num_heads, num_splits, **f32),
+        torch.empty(num_seqs, num_heads, num_splits, head_dim, **f32),
+    )
+
+
+def _decode(out, query, kv_cache, meta, alibi_arg, num_splits, common) -> None:
+    num_seqs = meta.num_seqs
+    num_heads = query.shape[1]
+    num_kv_heads, head_dim = kv_cache.shape[3:]
+    if num_splits is None:
+        num_splits = choose_num_splits(meta.max_seq_len, num_seqs, num_kv_heads, query.device)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+
+    if num_splits == 1:
+        part_m = part_l = part_acc = out  # unused: the kernel writes the output directly
+    else:
+        part_m, part_l, part_acc = _partial_buffers(num_seqs, num_heads, num_splits, head_dim, query.device)
+
+    group_pad = max(16, triton.next_power_of_2(common["GROUP"]))
+    _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        out, part_m, part_l, part_acc,
+        query, kv_cache, meta.block_tables, meta.seq_lens, alibi_arg,
+        num_heads=num_heads, GROUP_PAD=group_pad, BLOCK_N=DECODE_BLOCK_N, NUM_SPLITS=num_splits,
+        num_warps=4, num_stages=2, **common,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_seqs, num_heads)](
+            out, part_m, part_l, part_acc, num_heads, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            num_warps=4,
+        )

@@ -1,0 +1,182 @@
+"""Small fused elementwise kernels for the CUDA path: RMSNorm (+ residual add), SiLU-and-mul,
+neox-style rotary embedding.
+
+Each computes in fp32 and rounds to the input dtype where the Hugging Face modules round, so
+bf16 results match a torch forward of the same model.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+# --------------------------------------------------------------------------------------
+# RMSNorm, optionally fused with the residual add that precedes it
+# --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rms_norm_kernel(
+    out_ptr, residual_out_ptr, x_ptr, residual_ptr, weight_ptr,
+    stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
+    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=mask)
+    x = x.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(x * x, 0) / n_cols + eps)
+    normed = (x * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
+    """x viewed as 2-D rows of its last dimension, contiguous along it."""
+    if x.dim() == 0:
+        raise ValueError(f"{name} must have at least one dimension")
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def triton_rms_norm(
+    x: torch.Tensor,  # [..., hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+    residual: torch.Tensor | None = None,  # same shape as x
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm(x) * weight; with `residual`, first x = x + residual and return (normed, x)."""
+    hidden = x.shape[-1] if x.dim() else 0
+    if tuple(weight.shape) != (hidden,):
+        raise ValueError(f"weight must have shape ({hidden},), got {tuple(weight.shape)}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual shape {tuple(residual.shape)} does not match x shape {tuple(x.shape)}")
+    x2 = _rows(x, "x")
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out2 = out.view(-1, hidden)
+    if residual is not None:
+        r2 = _rows(residual.to(x.dtype), "residual")
+        residual_out = torch.empty_like(out)
+        ro2 = residual_out.view(-1, hidden)
+    else:
+        r2 = ro2 = residual_out = x2  # unused
+    if x2.shape[0]:
+        block = triton.next_power_of_2(hidden)
+        _rms_norm_kernel[(x2.shape[0],)](
+            out2, ro2, x2, r2, weight,
+            x2.stride(0), r2.stride(0), out2.stride(0), ro2.stride(0), hidden, eps,
+            BLOCK=block, HAS_RESIDUAL=residual is not None,
+            num_warps=min(16, max(1, block // 256)),
+        )
+    return out if residual is None else (out, residual_out)
+
+
+# --------------------------------------------------------------------------------------
+# SiLU-and-mul: the gated MLP activation, silu(gate) * up on a fused [gate | up] projection
+# --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _silu_and_mul_kernel(out_ptr, x_ptr, stride_x, stride_o, d, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < d
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0).to(tl.float32)
+    act = (gate * tl.sigmoid(gate)).to(x_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def triton_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[..., 2 * d] -> [..., d]: silu(x[..., :d]) * x[..., d:]."""
+    if x.dim() == 0 or x.shape[-1] % 2:
+        raise ValueError(f"silu_and_mul needs an even last dimension, got shape {tuple(x.shape)}")
+    d = x.shape[-1] // 2
+    x2 = _rows(x, "x")
+    out = torch.empty(*x.shape[:-1], d, dtype=x.dtype, device=x.device)
+    out2 = out.view(-1, d)
+    if x2.shape[0] and d:
+        block = min(1024, triton.next_power_of_2(d))
+        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
+            out2, x2, x2.stride(0), out2.stride(0), d, BLOCK=block, num_warps=4,
+        )
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Rotary embedding, neox style (rotate halves), in place on query and key
+# --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rotate_heads(ptr, token, stride_t, stride_h, num_heads, cos, sin, half,
+                  HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr):
+    heads = tl.arange(0, HEADS_PAD)[:, None]
+    cols = tl.arange(0, HALF_PAD)[None, :]
+    mask = (heads < num_heads) & (cols < half)
+    first = ptr + token * stride_t + heads * stride_h + cols
+    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(first + half, mask=mask, other=0.0).to(tl.float32)
+    tl.store(first, (x1 * cos - x2 * sin).to(ptr.dtype.element_ty), mask=mask)
+    tl.store(first + half, (x2 * cos + x1 * sin).to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_neox_kernel(
+    q_ptr, k_ptr, positions_ptr, cos_sin_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
+    num_heads, num_kv_heads, half,
+    Q_HEADS_PAD: tl.constexpr, K_HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    cols = tl.arange(0, HALF_PAD)
+    cmask = cols < half
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + half + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    _rotate_heads(q_ptr, token, stride_qt, stride_qh, num_heads, cos, sin, half, Q_HEADS_PAD, HALF_PAD)
+    _rotate_heads(k_ptr, token, stride_kt, stride_kh, num_kv_heads, cos, sin, half, K_HEADS_PAD, HALF_PAD)
+
+
+def triton_rotary_embedding(
+    positions: torch.Tensor,  # [num_tokens] int
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim], rotated in place
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], rotated in place
+    cos_sin_cache: torch.Tensor,  # [max_position, rotary_dim]: cos | sin, rotary_dim <= head_dim
+) -> None:
+    """Neox-style RoPE on the first rotary_dim dims of every head (the rest pass through)."""
+    if query.dim() != 3 or key.dim() != 3:
+        raise ValueError(
+            f"query and key must be [num_tokens, heads, head_dim], got {tuple(query.shape)} and {tuple(key.shape)}"
+        )
+    num_tokens, num_heads, head_dim = query.shape
+    if key.shape[0] != num_tokens or key.shape[2] != head_dim:
+        raise ValueError(f"key shape {tuple(key.shape)} does not match query shape {tuple(query.shape)}")
+    if tuple(positions.shape) != (num_tokens,):
+        raise ValueError(f"positions must have shape ({num_tokens},), got {tuple(positions.shape)}")
+    rotary_dim = cos_sin_cache.shape[-1]
+    if cos_sin_cache.dim() != 2 or rotary_dim % 2 or rotary_dim > head_dim:
+        raise ValueError(
+            f"cos_sin_cache must be [max_position, rotary_dim] with an even rotary_dim <= head_dim {head_dim}, "
+            f"got {tuple(cos_sin_cache.shape)}"
+        )
+    if query.stride(-1) != 1 or key.stride(-1) != 1 or cos_sin_cache.stride(-1) != 1:
+        raise ValueError("query, key and cos_sin_cache must be contiguous in their last dimension")
+    if num_tokens == 0:
+        return
+    half = rotary_dim // 2
+    _rotary_neox_kernel[(num_tokens,)](
+        query, key, positions, cos_sin_cache,
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1), cos_sin_cache.stride(0),
+        num_heads, key.shape[1], half,
+        Q_HEADS_PAD=triton.next_power_of_2(num_heads),
+        K_HEADS_PAD=triton.next_power_of_2(key.shape[1]),
+        HALF_PAD=triton.next_power_of_2(half),
+        num_warps=4,
+    )

@@ -1,0 +1,83 @@
+"""PagedAttentionInputMetadata: the per-step description of a flat batch of tokens.
+
+A step computes a flat run of tokens from many sequences. Sequence i contributes the tokens
+query_start_loc[i]:query_start_loc[i+1]; they are the *last* tokens of its context, whose
+total length (cached tokens + this step's tokens) is seq_lens[i]. So query token j of
+sequence i sits at position seq_lens[i] - q_len_i + j. Decode is q_len 1, a prompt chunk is
+q_len > 1, and context already in the cache (an earlier chunk, a prefix-cache hit) is just
+seq_lens[i] - q_len_i > 0.
+
+KV cache of one layer: a tensor [2, num_blocks, block_size, num_kv_heads, head_dim]
+(index 0 keys, 1 values). Token t of a sequence lives in block block_tables[i][t // block_size]
+at offset t % block_size; its flat slot is block * block_size + offset.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+
+@dataclass
+class PagedAttentionInputMetadata:
+    positions: torch.Tensor  # [num_tokens] int64
+    slot_mapping: torch.Tensor  # [num_tokens] int64; -1 means "do not write"
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32, cumulative query lengths
+    seq_lens: torch.Tensor  # [num_seqs] int32, context length after this step
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0
+    max_query_len: int
+    max_seq_len: int
+    # Host copies of the small per-sequence lists, so the CPU path never syncs.
+    query_lens_host: list[int]
+    seq_lens_host: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+    def to(self, device: torch.device | str) -> "PagedAttentionInputMetadata":
+        """A copy whose tensors live on `device` (one copy per device per step)."""
+        values = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            values[f.name] = v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+        return PagedAttentionInputMetadata(**values)
+
+    @classmethod
+    def build(
+        cls,
+        positions: list[int],
+        slot_mapping: list[int],
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        device: torch.device | str = "cpu",
+    ) -> "PagedAttentionInputMetadata":
+        max_blocks = max((len(b) for b in block_tables), default=0)
+        padded = [b + [0] * (max_blocks - len(b)) for b in block_tables]
+        starts = [0]
+        for q in query_lens:
+            starts.append(starts[-1] + q)
+        pin = torch.device(device).type == "cuda"
+
+        def tensor(data, dtype):
+            t = torch.tensor(data, dtype=dtype)
+            if pin:
+                t = t.pin_memory()
+            return t.to(device, non_blocking=True)
+
+        return cls(
+            positions=tensor(positions, torch.int64),
+            slot_mapping=tensor(slot_mapping, torch.int64),
+            query_start_loc=tensor(starts, torch.int32),
+            seq_lens=tensor(seq_lens, torch.int32),
+            block_tables=tensor(padded, torch.int32).reshape(len(padded), max_blocks),
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(seq_lens, default=0),
+            query_lens_host=list(query_lens),
+            seq_lens_host=list(seq_lens),
+        )

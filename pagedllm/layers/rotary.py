@@ -1,0 +1,67 @@
+"""Rotary position embedding (the rotate-half layout Hugging Face Llama models use)."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(is_mid, mid, scaled)
+    elif kind != "default":
+        raise ValueError(f"unsupported rope_scaling type {kind!r}")
+    return inv_freq.float()
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        theta: float,
+        scaling: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        inv_freq = _inv_freq(head_dim, theta, scaling)
+        t = torch.arange(max_position, dtype=torch.float32, device="cpu")
+        freqs = torch.outer(t, inv_freq)
+        # [max_position, head_dim], float32 for accuracy. One model-wide table, copied once
+        # to each device that holds layers (not per layer, not as module buffers).
+        self._tables = {torch.device("cpu"): (freqs.cos().repeat(1, 2), freqs.sin().repeat(1, 2))}
+
+    def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if device not in self._tables:
+            cos, sin = self._tables[torch.device("cpu")]
+            self._tables[device] = (cos.to(device), sin.to(device))
+        return self._tables[device]
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]."""
+        cos, sin = self.tables(positions.device)
+        cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)

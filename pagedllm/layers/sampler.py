@@ -1,0 +1,297 @@
+"""Sampler: one row of logits per sequence -> its next token(s) and their logprobs.
+
+Order, as in vLLM: the reported logprobs come from the raw logits. The token is chosen from
+the logits after logit_bias, the min_tokens mask and the repetition / frequency / presence
+penalties: greedy rows take the argmax; random rows apply temperature, top-k, top-p and min-p,
+then draw with the exponential race (argmax of probs / Exp(1) noise, which picks token i
+with probability p_i). Everything is batched over rows; the only per-row loop is over rows
+that carry their own seeded generator.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedllm.sampling_params import SamplingParams, SamplingType
+
+
+@dataclass
+class SamplingRow:
+    """One row of the logits matrix."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # generated so far by this sequence
+    num_samples: int = 1  # >1 only at the first sample of a best_of > 1 request
+    generator: torch.Generator | None = None  # set when params.seed is given
+
+
+@dataclass
+class SampleResult:
+    token_id: int
+    logprob: float  # log_softmax of the raw model logits at token_id
+    rank: int  # 1 = most likely under the raw logits
+    top_logprobs: dict[int, float]  # top `params.logprobs` tokens of the raw logits
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """The generator a seeded request keeps for its whole life (it lives on the logits' device)."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: list[int]) -> None:
+        self.eos_token_ids = list(eos_token_ids)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[list[SampleResult]]:
+        """logits: [len(rows), vocab]. Returns num_samples results per row."""
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(
+                f"logits must have shape [num_rows={len(rows)}, vocab], got {tuple(logits.shape)}"
+            )
+        if not rows:
+            return []
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        x = self.process_logits(logits, rows)
+        sample_rows = torch.repeat_interleave(
+            torch.arange(len(rows), device=x.device),
+            torch.tensor([r.num_samples for r in rows], device=x.device),
+        )
+        token_ids = _choose_tokens(x, rows, sample_rows)
+        num_top = [r.params.logprobs or 0 for r in rows]
+        packed = _pack_logprobs(logprobs, sample_rows, token_ids, max(num_top)).tolist()
+
+        results: list[list[SampleResult]] = []
+        it = iter(packed)
+        for row, k in zip(rows, num_top):
+            results.append([_unpack(next(it), k) for _ in range(row.num_samples)])
+        return results
+
+    def process_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """A float32 copy of the logits the token is chosen from, before temperature:
+        logit_bias added, min_tokens mask, then the penalties."""
+        x = logits.float().clone()
+        self._apply_logit_bias(x, rows)
+        self._apply_min_tokens(x, rows)
+        _apply_penalties(x, rows)
+        return x
+
+    def _apply_logit_bias(self, x: torch.Tensor, rows: list[SamplingRow]) -> None:
+        vocab = x.shape[1]
+        row_idx, token_idx, bias = [], [], []
+        for i, row in enumerate(rows):
+            for token_id, value in (row.params.logit_bias or {}).items():
+                if token_id >= vocab:
+                    raise ValueError(
+                        f"logit_bias token id {token_id} is out of range for a vocabulary of {vocab}"
+                    )
+                row_idx.append(i)
+                token_idx.append(token_id)
+                bias.append(value)
+        if row_idx:
+            index = _index_tensors(row_idx, token_idx, x.device)
+            x.index_put_(index, torch.tensor(bias, device=x.device), accumulate=True)
+
+    def _apply_min_tokens(self, x: torch.Tensor, rows: list[SamplingRow]) -> None:
+        """Until min_tokens are out, no token may end the sequence."""
+        vocab = x.shape[1]
+        row_idx, token_idx = [], []
+        for i, row in enumerate(rows):
+            p = row.params
+            if len(row.output_token_ids) >= p.min_tokens:
+                continue
+            # With ignore_eos, EOS does not stop the sequence, so it needs no mask.
+            stops = set(p.stop_token_ids or []) | (set() if p.ignore_eos else set(self.eos_token_ids))
+            for token_id in stops:
+                if token_id < vocab:
+                    row_idx.append(i)
+                    token_idx.append(token_id)
+        if row_idx:
+            x[_index_tensors(row_idx, token_idx, x.device)] = float("-inf")
+
+
+def _index_tensors(rows: list[int], cols: list[int], device: torch.device) -> tuple[torch.Tensor, ...]:
+    return (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+
+
+def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[len(token_lists), vocab] float counts of each token id in each list."""
+    lengths = [len(t) for t in token_lists]
+    counts = torch.zeros(len(token_lists), vocab, device=device)
+    total = sum(lengths)
+    if total == 0:
+        return counts
+    # numpy builds the flat id tensor from Python ints several times faster than torch.tensor.
+    flat = np.fromiter(itertools.chain.from_iterable(token_lists), dtype=np.int64, count=total)
+    token_ids = torch.from_numpy(flat).to(device)
+    row_ids = torch.repeat_interleave(
+        torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device)
+    )
+    counts.view(-1).scatter_add_(0, row_ids * vocab + token_ids, torch.ones(total, device=device))
+    return counts
+
+
+def _apply_penalties(x: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Repetition penalty (prompt + output, HF rule), then frequency and presence (output)."""
+    chosen = [
+        i
+        for i, r in enumerate(rows)
+        if r.params.repetition_penalty != 1.0
+        or r.params.frequency_penalty != 0.0
+        or r.params.presence_penalty != 0.0
+    ]
+    if not chosen:
+        return
+    vocab, device = x.shape[1], x.device
+    index = torch.tensor(chosen, device=device)
+    params = [rows[i].params for i in chosen]
+    sub = x[index]
+    output_counts = _token_counts([rows[i].output_token_ids for i in chosen], vocab, device)
+    if any(p.repetition_penalty != 1.0 for p in params):
+        prompt_counts = _token_counts([rows[i].prompt_token_ids for i in chosen], vocab, device)
+        seen = (prompt_counts + output_counts) > 0
+        penalty = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
+        penalised = torch.where(sub > 0, sub / penalty, sub * penalty)
+        sub = torch.where(seen, penalised, sub)
+    frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
+    presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
+    sub = sub - frequency * output_counts - presence * (output_counts > 0).float()
+    x[index] = sub
+
+
+def _choose_tokens(x: torch.Tensor, rows: list[SamplingRow], sample_rows: torch.Tensor) -> torch.Tensor:
+    """[num_samples_total] token ids; greedy samples are the argmax of their row."""
+    token_ids = x.argmax(dim=-1)[sample_rows]
+    random_rows = [i for i, r in enumerate(rows) if r.params.sampling_type != SamplingType.GREEDY]
+    if not random_rows:
+        return token_ids
+    starts = [0]
+    for r in rows:
+        starts.append(starts[-1] + r.num_samples)
+    positions = [p for i in random_rows for p in range(starts[i], starts[i + 1])]
+    index = torch.tensor(random_rows, device=x.device)
+    probs = _random_probs(x[index], [rows[i].params for i in random_rows])
+    counts = [rows[i].num_samples for i in random_rows]
+    probs = probs.repeat_interleave(torch.tensor(counts, device=x.device), dim=0)
+    noise = _exponential_noise(probs.shape, [rows[i].generator for i in random_rows], counts, x.device)
+    sampled = (probs / noise).argmax(dim=-1)
+    token_ids[torch.tensor(positions, device=x.device)] = sampled
+    return token_ids
+
+
+def _random_probs(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, top-k, top-p, then min-p; returns (unnormalised) probabilities."""
+    vocab, device = x.shape[1], x.device
+    temperature = torch.tensor([p.temperature for p in params], device=device)[:, None]
+    x = x / temperature
+    top_k = [p.top_k if p.top_k > 0 else vocab for p in params]
+    top_p = [p.top_p for p in params]
+    if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+        x = _apply_top_k_top_p(
+            x, torch.tensor(top_k, device=device), torch.tensor(top_p, device=device)
+        )
+    probs = torch.softmax(x, dim=-1)
+    min_p = [p.min_p for p in params]
+    if any(m > 0 for m in min_p):
+        floor = torch.tensor(min_p, device=device)[:, None] * probs.max(dim=-1, keepdim=True).values
+        # The race below is invariant to each row's scale, so no renormalising is needed.
+        probs = probs.masked_fill(probs < floor, 0.0)
+    return probs
+
+
+def _apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep each row's top_k logits, then the smallest prefix whose probability reaches top_p."""
+    sorted_x, order = x.sort(dim=-1, descending=True)
+    rank = torch.arange(x.shape[1], device=x.device)[None, :]
+    sorted_x = sorted_x.masked_fill(rank >= top_k[:, None], float("-inf"))
+    probs = torch.softmax(sorted_x, dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    # Rows with top_p == 1 are exempt: rounding in the cumsum must not cut their tail.
+    drop = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+    return torch.empty_like(x).scatter_(1, order, sorted_x)
+
+
+def _exponential_noise(
+    shape: torch.Size,
+    generators: list[torch.Generator | None],
+    counts: list[int],
+    device: torch.device,
+) -> torch.Tensor:
+    """Exp(1) noise, one row per sample; a seeded row draws only from its own generator."""
+    noise = torch.empty(shape, device=device)
+    if all(g is None for g in generators):
+        noise.exponential_()
+    else:
+        unseeded: list[int] = []
+        start = 0
+        for generator, count in zip(generators, counts):
+            if generator is None:
+                unseeded.extend(range(start, start + count))
+            else:
+                noise[start : start + count].exponential_(generator=generator)
+            start += count
+        if unseeded:
+            index = torch.tensor(unseeded, device=device)
+            noise[index] = torch.empty(len(unseeded), shape[1], device=device).exponential_()
+    # A zero draw would turn a masked (zero-probability) token into 0/0 = nan, which argmax picks.
+    return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+
+def _pack_logprobs(
+    logprobs: torch.Tensor, sample_rows: torch.Tensor, token_ids: torch.Tensor, k: int
+) -> torch.Tensor:
+    """Everything the host needs, per sample, in one float64 tensor moved to the host at once:
+    [token_id, logprob, rank, k top token ids, k top logprobs]. float64 holds ids exactly."""
+    row_logprobs = logprobs[sample_rows]
+    chosen = row_logprobs.gather(1, token_ids[:, None])
+    rank = (row_logprobs > chosen).sum(dim=-1, keepdim=True) + 1
+    columns = [token_ids[:, None], chosen, rank]
+    if k > 0:
+        top_values, top_ids = logprobs.topk(k, dim=-1)
+        columns += [top_ids[sample_rows], top_values[sample_rows]]
+    return torch.cat([c.double() for c in columns], dim=1).cpu()
+
+
+def _unpack(values: list[float], k: int) -> SampleResult:
+    width = (len(values) - 3) // 2
+    ids, top = values[3 : 3 + k], values[3 + width : 3 + width + k]
+    return SampleResult(
+        token_id=int(values[0]),
+        logprob=values[1],
+        rank=int(values[2]),
+        top_logprobs={int(t): v for t, v in zip(ids, top)},
+    )
+
+
+def compute_prompt_logprobs(
+    logits: torch.Tensor, next_token_ids: list[int], k: int | None
+) -> list[tuple[float, int, dict[int, float]]]:
+    """For prompt_logprobs: logits[i] predicts next_token_ids[i]. Returns, per position, the
+    logprob of that token, its rank, and the top-k logprobs ({} when k is None or 0)."""
+    if logits.dim() != 2 or logits.shape[0] != len(next_token_ids):
+        raise ValueError(
+            f"logits must have shape [{len(next_token_ids)}, vocab] (one row per next token), "
+            f"got {tuple(logits.shape)}"
+        )
+    if not next_token_ids:
+        return []
+    vocab = logits.shape[1]
+    if not all(0 <= t < vocab for t in next_token_ids):
+        bad = next(t for t in next_token_ids if not 0 <= t < vocab)
+        raise ValueError(f"token id {bad} is out of range for a vocabulary of {vocab}")
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    positions = torch.arange(len(next_token_ids), device=logits.device)
+    token_ids = torch.tensor(next_token_ids, device=logits.device)
+    k = k or 0
+    packed = _pack_logprobs(logprobs, positions, token_ids, k).tolist()
+    out = []
+    for values in packed:
+        r = _unpack(values, k)
+        out.append((r.logprob, r.rank, r.top_logprobs))
+    return out

@@ -1,0 +1,47 @@
+"""Dummy weights: a real model's shape (a preset or any config) filled with random values."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+PRESETS_DIR = Path(__file__).with_name("presets")
+DEFAULT_PRESET = "smollm2-135m"
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.json"))
+
+
+def preset_config_file(name: str) -> Path | None:
+    path = PRESETS_DIR / f"{name.lower()}.json"
+    return path if path.is_file() else None
+
+
+def _is_norm(name: str) -> bool:
+    """'...input_layernorm.weight', '...q_norm.weight', Bloom's 'transformer.ln_f.weight'."""
+    module = name.rsplit(".", 2)[-2] if "." in name else name
+    return module.endswith("norm") or module.startswith("ln_")
+
+
+@torch.no_grad()
+def initialize_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
+    """Fill every parameter in place, on the device it already lives on.
+
+    Norm scales are 1 and biases 0; other weights are uniform in [-1/sqrt(fan_in), 1/sqrt(fan_in)],
+    which keeps activations near unit scale through many layers, also in bf16.
+    """
+    generators: dict[torch.device, torch.Generator] = {}
+    for name, param in model.named_parameters():
+        if param.device.type == "meta":
+            continue
+        if name.endswith("bias"):
+            param.zero_()
+        elif _is_norm(name):
+            param.fill_(1.0)
+        else:
+            if param.device not in generators:
+                generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+            bound = 1.0 / math.sqrt(param.shape[-1]) if param.dim() > 1 else 1e-2
+            param.uniform_(-bound, bound, generator=generators[param.device])

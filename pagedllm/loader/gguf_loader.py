@@ -1,0 +1,216 @@
+"""GGUF files (llama.cpp): config from the metadata, tensors dequantized to Hugging Face names."""
+from __future__ import annotations
+
+import functools
+import logging
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+
+from pagedllm.config import ModelConfig
+from pagedllm.loader.errors import ModelLoadError, first_line
+from pagedllm.loader.source import WeightIterator
+
+logger = logging.getLogger(__name__)
+
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+# Llama 3.1 GGUFs carry the llama3 RoPE frequency factors as a tensor; Hugging Face keeps them
+# in rope_scaling, which the GGUF metadata does not spell out, so this one is left behind.
+_SKIPPED = {"rope_freqs.weight"}
+# Quantization suffixes of GGUF file names ("Model.Q4_1", "Model-Q4_K_M", "model-f16").
+_QUANT_SUFFIX = re.compile(r"[.\-_](?:I?Q\d\w*|B?F16|F32)$", re.IGNORECASE)
+
+
+def gguf_model_name(path: str) -> str:
+    return _QUANT_SUFFIX.sub("", Path(path).stem) or Path(path).stem
+
+
+def open_gguf(path: str) -> gguf.GGUFReader:
+    """Read the header and tensor index, turning every low-level failure into one line."""
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelLoadError(path, "not a GGUF file (bad magic bytes)")
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # numpy reshape / index errors from a cut or damaged file
+        raise ModelLoadError(path, "truncated or corrupt GGUF file") from e
+
+
+def hf_tensor_name(name: str) -> str | None:
+    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'; None if unknown."""
+    stem, _, kind = name.rpartition(".")
+    if stem.startswith("blk."):
+        _, layer, part = stem.split(".", 2)
+        hf = _LAYER_NAMES.get(part)
+        return None if hf is None else f"model.layers.{layer}.{hf}.{kind}"
+    hf = _GLOBAL_NAMES.get(stem)
+    return None if hf is None else f"{hf}.{kind}"
+
+
+def load_gguf(path: str) -> tuple[ModelConfig, WeightIterator, bool]:
+    """Config, weight iterator and whether the file carries a tokenizer.
+
+    The whole file is validated here; the iterator only dequantizes.
+    """
+    reader = open_gguf(path)
+    config = gguf_model_config(reader, path)
+    plan = _weight_plan(reader, path, config)
+    has_tokenizer = "tokenizer.ggml.model" in reader.fields
+    return config, functools.partial(_iter_weights, path, plan), has_tokenizer
+
+
+def gguf_model_config(reader: gguf.GGUFReader, path: str) -> ModelConfig:
+    arch = _field(reader, path, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ModelLoadError(
+            path, f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}"
+        )
+
+    def key(name: str, default: Any = ...) -> Any:
+        return _field(reader, path, f"{arch}.{name}", default)
+
+    names = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in names:
+        raise ModelLoadError(path, "GGUF file has no token_embd.weight tensor")
+    hidden = int(key("embedding_length"))
+    heads = int(key("attention.head_count"))
+    eos = [_field(reader, path, f"tokenizer.ggml.{k}_token_id", None) for k in ("eos", "eot", "eom")]
+    try:
+        return ModelConfig(
+            architecture=arch,
+            # The embedding's rows, which the weights must match (the token list may be shorter).
+            vocab_size=int(names["token_embd.weight"].shape[-1]),
+            hidden_size=hidden,
+            num_hidden_layers=int(key("block_count")),
+            num_attention_heads=heads,
+            num_key_value_heads=int(key("attention.head_count_kv", heads)),
+            head_dim=int(key("attention.key_length", hidden // heads)),
+            intermediate_size=int(key("feed_forward_length")),
+            max_position_embeddings=int(key("context_length", 2048)),
+            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(key("rope.freq_base", 10000.0)),
+            rope_scaling=_rope_scaling(key),
+            tie_word_embeddings="output.weight" not in names,
+            attention_bias="blk.0.attn_q.bias" in names,
+            qk_norm="blk.0.attn_q_norm.weight" in names,
+            bos_token_id=_field(reader, path, "tokenizer.ggml.bos_token_id", None),
+            eos_token_ids=list(dict.fromkeys(int(e) for e in eos if e is not None)),
+        )
+    except ValueError as e:
+        raise ModelLoadError(path, first_line(e)) from e
+
+
+def _rope_scaling(key) -> dict[str, Any] | None:
+    kind = key("rope.scaling.type", None)
+    if kind in (None, "none"):
+        return None
+    scaling: dict[str, Any] = {"rope_type": kind, "factor": float(key("rope.scaling.factor", 1.0))}
+    original = key("rope.scaling.original_context_length", None)
+    if original is not None:
+        scaling["original_max_position_embeddings"] = int(original)
+    return scaling
+
+
+def _field(reader: gguf.GGUFReader, path: str, name: str, default: Any = ...) -> Any:
+    field = reader.fields.get(name)
+    if field is None:
+        if default is ...:
+            raise ModelLoadError(path, f"GGUF metadata has no {name!r}")
+        return default
+    return field.contents()
+
+
+@dataclass
+class _PlannedTensor:
+    hf_name: str
+    tensor: gguf.ReaderTensor
+    permute_heads: int | None  # llama.cpp's rotary row order to undo, by this many heads
+
+
+def _weight_plan(reader: gguf.GGUFReader, path: str, config: ModelConfig) -> list[_PlannedTensor]:
+    plan = []
+    for t in reader.tensors:
+        if t.name in _SKIPPED:
+            logger.warning("%s: ignoring %s (not used by Hugging Face models)", path, t.name)
+            continue
+        hf_name = hf_tensor_name(t.name)
+        if hf_name is None:
+            raise ModelLoadError(path, f"unexpected tensor {t.name!r} for a {config.architecture} model")
+        if not _can_dequantize(t.tensor_type):
+            raise ModelLoadError(
+                path,
+                f"tensor {t.name!r} has type {t.tensor_type.name}, "
+                "which the gguf package cannot dequantize",
+            )
+        heads = None
+        if config.architecture == "llama":  # only llama.cpp's llama converter permutes q/k
+            if ".attn_q." in t.name:
+                heads = config.num_attention_heads
+            elif ".attn_k." in t.name:
+                heads = config.num_key_value_heads
+        plan.append(_PlannedTensor(hf_name, t, heads))
+    return plan
+
+
+@functools.cache
+def _can_dequantize(qtype: gguf.GGMLQuantizationType) -> bool:
+    sizes = gguf.GGML_QUANT_SIZES.get(qtype)
+    if sizes is None:
+        return False
+    try:
+        gguf.quants.dequantize(np.zeros((1, sizes[1]), dtype=np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    return True
+
+
+def _iter_weights(
+    path: str, plan: list[_PlannedTensor], dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for item in plan:
+        t = item.tensor
+        try:
+            array = gguf.quants.dequantize(t.data, t.tensor_type)
+            array = array.reshape([int(d) for d in reversed(t.shape)])  # GGUF lists dims inner first
+        except Exception as e:
+            raise ModelLoadError(path, f"cannot dequantize tensor {t.name!r} ({first_line(e)})") from e
+        if item.permute_heads is not None:
+            array = unpermute_rotary_rows(array, item.permute_heads)
+        if not array.flags.writeable:  # a view of the read-only memory map
+            array = array.copy()
+        yield item.hf_name, torch.from_numpy(array).to(dtype)
+
+
+def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row order.
+
+    Its converter interleaves the two halves of each head's rows (row 2i from the first half,
+    row 2i+1 from the second) because its RoPE rotates adjacent pairs; Hugging Face rotates
+    the first half of a head against the second.
+    """
+    rows = weight.shape[0]
+    half = rows // num_heads // 2
+    grouped = weight.reshape(num_heads, half, 2, *weight.shape[1:])
+    return np.ascontiguousarray(grouped.swapaxes(1, 2)).reshape(weight.shape)

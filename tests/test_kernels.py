@@ -1,0 +1,400 @@
+"""Triton kernels against the torch reference (pagedllm/kernels/reference.py).
+
+On a machine without a GPU these run in Triton's interpreter (TRITON_INTERPRET=1, set here
+when CUDA is absent), so shapes stay small. Every run writes into NaN-poisoned buffers and
+reads a cache whose unused slots are NaN, so an unwritten output or a stray read shows up.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton", reason="triton is not installed (pip install 'pagedllm[gpu]')")
+
+from pagedllm.kernels import triton_attention  # noqa: E402
+from pagedllm.kernels.reference import alibi_slopes, paged_attention, write_kv_cache  # noqa: E402
+from pagedllm.kernels.triton_attention import choose_num_splits, triton_paged_attention  # noqa: E402
+from pagedllm.kernels.triton_cache import triton_write_kv_cache  # noqa: E402
+from pagedllm.kernels.triton_ops import (  # noqa: E402
+    triton_rms_norm,
+    triton_rotary_embedding,
+    triton_silu_and_mul,
+)
+from pagedllm.layers.metadata import PagedAttentionInputMetadata  # noqa: E402
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
+# The interpreter cannot run tl.dot on bfloat16 (it multiplies the raw uint16 bit patterns:
+# triton-lang/triton#11584), and it truncates fp32 -> bf16 casts where the GPU rounds to
+# nearest even. bf16 attention is checked on the GPU by scripts/gpu_kernel_bench.py.
+BF16_DOT = pytest.mark.skipif(INTERPRETED, reason="Triton's interpreter cannot run tl.dot on bfloat16")
+NAN = float("nan")
+
+
+# --------------------------------------------------------------------------------------
+# A batch of sequences whose context sits in shuffled, non-contiguous cache blocks
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Batch:
+    query: torch.Tensor
+    kv_cache: torch.Tensor  # unused slots hold NaN
+    meta: PagedAttentionInputMetadata
+
+    @property
+    def scale(self) -> float:
+        return self.query.shape[-1] ** -0.5
+
+
+def make_batch(
+    seq_lens: list[int],
+    query_lens: list[int],
+    *,
+    block_size: int = 16,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 32,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> Batch:
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [math.ceil(s / block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3  # a few spare blocks no sequence owns
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    tables = [[free.pop() for _ in range(n)] for n in blocks_per_seq]
+
+    def slot(table: list[int], pos: int) -> int:
+        return table[pos // block_size] * block_size + pos % block_size
+
+    kv_cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), NAN, dtype=dtype)
+    slots = torch.tensor([slot(t, p) for t, s in zip(tables, seq_lens) for p in range(s)])
+    keys = torch.randn(len(slots), num_kv_heads, head_dim, generator=g)
+    values = torch.randn(len(slots), num_kv_heads, head_dim, generator=g)
+    write_kv_cache(keys, values, kv_cache, slots)
+
+    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=g).to(dtype)
+    positions = [p for s, q in zip(seq_lens, query_lens) for p in range(s - q, s)]
+    slot_mapping = [slot(t, p) for t, s, q in zip(tables, seq_lens, query_lens) for p in range(s - q, s)]
+    meta = PagedAttentionInputMetadata.build(positions, slot_mapping, query_lens, seq_lens, tables)
+    return Batch(query.to(DEVICE), kv_cache.to(DEVICE), meta.to(DEVICE))
+
+
+@pytest.fixture(autouse=True)
+def poison_split_buffers(monkeypatch):
+    """Decode's per-split partials start as NaN, so a split that skips its write is caught."""
+    real = triton_attention._partial_buffers
+
+    def poisoned(*args):
+        return tuple(t.fill_(NAN) for t in real(*args))
+
+    monkeypatch.setattr(triton_attention, "_partial_buffers", poisoned)
+
+
+def run_and_compare(batch: Batch, *, atol=1e-5, rtol=1e-4, num_splits=None, **kwargs) -> None:
+    # The reference reads every padded slot, so it gets the cache with the poison zeroed;
+    # its bf16/fp16 path also rounds the ALiBi bias, so it always runs in fp32.
+    ref = paged_attention(
+        batch.query.float(), batch.kv_cache.nan_to_num(0.0).float(), batch.meta, batch.scale, **kwargs
+    )
+    out = torch.full_like(batch.query, NAN)
+    result = triton_paged_attention(
+        batch.query, batch.kv_cache, batch.meta, batch.scale, num_splits=num_splits, out=out, **kwargs
+    )
+    assert result is out
+    assert not out.isnan().any(), "some output elements were never written"
+    torch.testing.assert_close(out.float(), ref, atol=atol, rtol=rtol)
+
+
+HEADS = pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (4, 4), (8, 1)], ids=["gqa", "mha", "mqa"])
+
+
+# --------------------------------------------------------------------------------------
+# reshape_and_cache
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_cache_matches_reference_and_skips_padding(block_size, cache_dtype):
+    g = torch.Generator().manual_seed(1)
+    num_blocks, kv_heads, head_dim = 5, 2, 32
+    num_slots = num_blocks * block_size
+    slot_list = torch.randperm(num_slots, generator=g)[:12].tolist()
+    slot_list[3] = slot_list[7] = -1  # padding tokens
+    slots = torch.tensor(slot_list).to(DEVICE)
+    # K and V as views into a fused qkv projection output (non-contiguous rows), in the
+    # cache dtype as the model produces them. (A cast on the way would differ by an ulp under
+    # the interpreter, which truncates fp32 -> bf16 where the GPU rounds to nearest even.)
+    qkv = torch.randn(12, 3, kv_heads, head_dim, generator=g).to(cache_dtype).to(DEVICE)
+    key, value = qkv[:, 1], qkv[:, 2]
+    start = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=g).to(cache_dtype).to(DEVICE)
+
+    expected, cache = start.clone(), start.clone()
+    write_kv_cache(key, value, expected, slots)
+    triton_write_kv_cache(key, value, cache, slots)
+
+    torch.testing.assert_close(cache, expected, atol=0, rtol=0)
+    written = (cache != start).flatten(3).any(-1).any(0).flatten()  # per flat slot
+    assert set(written.nonzero().flatten().tolist()) == {s for s in slot_list if s >= 0}
+
+
+def test_write_kv_cache_rejects_mismatched_shapes():
+    cache = torch.zeros(2, 4, 16, 2, 32, device=DEVICE)
+    key = torch.zeros(3, 2, 16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"key and value must have shape \(3, 2, 32\)"):
+        triton_write_kv_cache(key, key, cache, torch.zeros(3, dtype=torch.long, device=DEVICE))
+
+
+# --------------------------------------------------------------------------------------
+# Decode (split-KV)
+# --------------------------------------------------------------------------------------
+
+# Contexts of 1 token, a partial last block, exactly full blocks, and many blocks.
+DECODE_SEQ_LENS = [1, 17, 32, 80, 45]
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@HEADS
+def test_decode(block_size, num_heads, num_kv_heads, monkeypatch):
+    monkeypatch.setattr(triton_attention, "DECODE_BLOCK_N", 16)  # several tiles per split
+    batch = make_batch(
+        DECODE_SEQ_LENS, [1] * len(DECODE_SEQ_LENS),
+        block_size=block_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+    )
+    run_and_compare(batch, num_splits=3)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 8])  # 8 leaves some splits without keys
+@pytest.mark.parametrize("block_n", [16, 64])  # a key tile spans 1 or 4 cache blocks
+def test_decode_splits(num_splits, block_n, monkeypatch):
+    monkeypatch.setattr(triton_attention, "DECODE_BLOCK_N", block_n)
+    batch = make_batch(DECODE_SEQ_LENS, [1] * len(DECODE_SEQ_LENS), num_heads=4, num_kv_heads=2)
+    run_and_compare(batch, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("num_splits,block_n", [(1, 64), (4, 16)])
+@pytest.mark.parametrize("variant", ["sliding_window", "alibi", "both"])
+def test_decode_sliding_window_and_alibi(num_splits, block_n, variant, monkeypatch):
+    monkeypatch.setattr(triton_attention, "DECODE_BLOCK_N", block_n)
+    batch = make_batch(DECODE_SEQ_LENS, [1] * len(DECODE_SEQ_LENS), num_heads=4, num_kv_heads=2)
+    kwargs = {}
+    if variant in ("sliding_window", "both"):
+        kwargs["sliding_window"] = 20  # shorter than most contexts: skips whole tiles
+    if variant in ("alibi", "both"):
+        kwargs["alibi"] = alibi_slopes(4).to(DEVICE)
+    run_and_compare(batch, num_splits=num_splits, **kwargs)
+
+
+def test_decode_default_splits_long_context():
+    batch = make_batch([300, 7], [1, 1], num_heads=4, num_kv_heads=2, head_dim=16, block_size=32)
+    assert choose_num_splits(batch.meta.max_seq_len, 2, 2, batch.query.device) > 1
+    run_and_compare(batch)
+
+
+def test_choose_num_splits():
+    cpu = torch.device("cpu")
+    assert choose_num_splits(100, 1, 8, cpu) == 1  # short context: nothing to split
+    assert choose_num_splits(8192, 1, 8, cpu) > 1  # one long sequence: spread it out
+    assert choose_num_splits(1 << 20, 1, 1, cpu) == triton_attention.MAX_SPLITS
+    assert choose_num_splits(8192, 256, 8, cpu) == 1  # a big batch fills the GPU already
+
+
+# --------------------------------------------------------------------------------------
+# Prefill, chunked prefill, mixed batches
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@HEADS
+def test_prefill(block_size, num_heads, num_kv_heads, monkeypatch):
+    monkeypatch.setattr(triton_attention, "PREFILL_BLOCK_M", 16)
+    monkeypatch.setattr(triton_attention, "PREFILL_BLOCK_N", 16)
+    seq_lens = [37, 80, 5]
+    batch = make_batch(seq_lens, seq_lens, block_size=block_size, num_heads=num_heads, num_kv_heads=num_kv_heads)
+    run_and_compare(batch)
+
+
+def test_prefill_default_tiles():
+    seq_lens = [37, 80, 5]
+    batch = make_batch(seq_lens, seq_lens, block_size=32, num_heads=8, num_kv_heads=2)
+    run_and_compare(batch)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_chunked_prefill_with_cached_context(block_size, monkeypatch):
+    monkeypatch.setattr(triton_attention, "PREFILL_BLOCK_M", 16)
+    monkeypatch.setattr(triton_attention, "PREFILL_BLOCK_N", 16)
+    # Cached context of 60, 43 and 16 tokens (an earlier chunk or a prefix-cache hit).
+    batch = make_batch([80, 50, 33], [20, 7, 17], block_size=block_size)
+    run_and_compare(batch)
+
+
+@pytest.mark.parametrize("variant", ["plain", "sliding_window", "alibi", "both"])
+@pytest.mark.parametrize("tiles", [(16, 16), (64, 64)], ids=["small-tiles", "default-tiles"])
+def test_mixed_decode_and_prefill_batch(variant, tiles, monkeypatch):
+    monkeypatch.setattr(triton_attention, "PREFILL_BLOCK_M", tiles[0])
+    monkeypatch.setattr(triton_attention, "PREFILL_BLOCK_N", tiles[1])
+    # Decoding, a fresh prompt, a decode at the first block, a chunk after cached context.
+    batch = make_batch([70, 30, 9, 75], [1, 30, 1, 12], num_heads=8, num_kv_heads=2)
+    kwargs = {}
+    if variant in ("sliding_window", "both"):
+        kwargs["sliding_window"] = 21
+    if variant in ("alibi", "both"):
+        kwargs["alibi"] = alibi_slopes(8).to(DEVICE)
+    run_and_compare(batch, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=BF16_DOT)])
+@pytest.mark.parametrize("phase", ["decode", "prefill"])
+def test_half_precision(dtype, phase):
+    seq_lens = [40, 75]
+    query_lens = [1, 1] if phase == "decode" else [40, 11]
+    batch = make_batch(seq_lens, query_lens, dtype=dtype, head_dim=64)
+    run_and_compare(batch, atol=2e-2, rtol=2e-2, num_splits=2, alibi=alibi_slopes(4).to(DEVICE))
+
+
+def test_empty_batch():
+    batch = make_batch([5], [1])
+    meta = PagedAttentionInputMetadata.build([], [], [], [], [], device=DEVICE)
+    out = triton_paged_attention(batch.query[:0], batch.kv_cache, meta, batch.scale)
+    assert out.shape == (0, 4, 32)
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (dict(head_dim=24), "head_dim must be a power of two >= 16 for the Triton kernels, got 24"),
+        (dict(num_heads=3, num_kv_heads=2), "num_heads 3 is not a multiple of num_kv_heads 2"),
+    ],
+)
+def test_rejects_unsupported_shapes(change, message):
+    batch = make_batch([20], [1], **change)
+    with pytest.raises(ValueError, match=message):
+        triton_paged_attention(batch.query, batch.kv_cache, batch.meta, batch.scale)
+
+
+def test_rejects_query_not_matching_metadata():
+    batch = make_batch([20, 10], [1, 1])
+    with pytest.raises(ValueError, match="query has 1 tokens but the metadata's query lengths sum to 2"):
+        triton_paged_attention(batch.query[:1], batch.kv_cache, batch.meta, batch.scale)
+
+
+# --------------------------------------------------------------------------------------
+# RMSNorm, SiLU-and-mul, rotary
+# --------------------------------------------------------------------------------------
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+# One rounding to bf16 (the interpreter truncates, the GPU rounds to nearest even).
+ONE_ROUNDING = {torch.float32: dict(atol=0, rtol=0), torch.bfloat16: dict(atol=0, rtol=2**-7)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [64, 96])  # 96: not a power of two
+def test_rms_norm(dtype, hidden):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 5, hidden, generator=g).to(dtype).to(DEVICE)
+    weight = torch.randn(hidden, generator=g).to(dtype).to(DEVICE)
+    out = triton_rms_norm(x, weight, 1e-6)
+    assert out.shape == x.shape and out.dtype == dtype
+    torch.testing.assert_close(out, rms_norm_ref(x, weight, 1e-6), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_add_rms_norm(dtype):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(7, 64, generator=g).to(dtype).to(DEVICE)
+    residual = torch.randn(7, 64, generator=g).to(dtype).to(DEVICE)
+    weight = torch.randn(64, generator=g).to(dtype).to(DEVICE)
+    x_before, residual_before = x.clone(), residual.clone()
+    out, new_residual = triton_rms_norm(x, weight, 1e-5, residual=residual)
+    torch.testing.assert_close(new_residual, x + residual, **ONE_ROUNDING[dtype])
+    torch.testing.assert_close(out, rms_norm_ref(x + residual, weight, 1e-5), **TOLERANCE[dtype])
+    assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
+
+
+def test_rms_norm_rejects_wrong_weight():
+    with pytest.raises(ValueError, match=r"weight must have shape \(64,\), got \(32,\)"):
+        triton_rms_norm(torch.zeros(2, 64, device=DEVICE), torch.ones(32, device=DEVICE), 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [48, 1500])  # 1500: more than one column tile, with a ragged end
+def test_silu_and_mul(dtype, d):
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 3, 2 * d, generator=g).to(dtype).to(DEVICE)
+    out = triton_silu_and_mul(x)
+    expected = torch.nn.functional.silu(x[..., :d]) * x[..., d:]
+    assert out.shape == (2, 3, d)
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+
+
+def test_silu_and_mul_rejects_odd_width():
+    with pytest.raises(ValueError, match=r"silu_and_mul needs an even last dimension, got shape \(2, 5\)"):
+        triton_silu_and_mul(torch.zeros(2, 5, device=DEVICE))
+
+
+def rope_neox_ref(positions: torch.Tensor, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    half = cos_sin.shape[-1] // 2
+    cos = cos_sin[positions, :half][:, None].float()
+    sin = cos_sin[positions, half:][:, None].float()
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half : 2 * half]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, xf[..., 2 * half :]], -1).to(x.dtype)
+
+
+def cos_sin_cache(max_position: int, rotary_dim: int, base: float = 10000.0) -> torch.Tensor:
+    inv_freq = 1.0 / base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim)
+    freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], -1)
+
+
+@pytest.mark.parametrize("rotary_dim", [32, 16])  # full and partial rotary
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_embedding_neox(rotary_dim, dtype):
+    g = torch.Generator().manual_seed(5)
+    num_tokens, num_heads, num_kv_heads, head_dim = 6, 4, 2, 32
+    positions = torch.tensor([0, 1, 2, 57, 3, 99]).to(DEVICE)
+    cache = cos_sin_cache(128, rotary_dim).to(DEVICE)
+    # q and k as views into one fused qkv output, as the attention layer produces them.
+    qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    query, key = qkv[:, :num_heads], qkv[:, num_heads : num_heads + num_kv_heads]
+    expected_q, expected_k = rope_neox_ref(positions, query, cache), rope_neox_ref(positions, key, cache)
+    value_before = qkv[:, num_heads + num_kv_heads :].clone()
+
+    triton_rotary_embedding(positions, query, key, cache)
+
+    torch.testing.assert_close(query, expected_q, **TOLERANCE[dtype])
+    torch.testing.assert_close(key, expected_k, **TOLERANCE[dtype])
+    assert torch.equal(qkv[:, num_heads + num_kv_heads :], value_before)
+
+
+def test_rotary_matches_transformers_llama():
+    llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    g = torch.Generator().manual_seed(6)
+    positions = torch.tensor([3, 0, 41, 7])
+    q = torch.randn(4, 2, 32, generator=g)
+    k = torch.randn(4, 1, 32, generator=g)
+    cache = cos_sin_cache(64, 32)
+    # HF repeats the frequencies over both halves: cos/sin of shape [batch, seq, head_dim].
+    cos = torch.cat([cache[positions, :16]] * 2, -1)[None]
+    sin = torch.cat([cache[positions, 16:]] * 2, -1)[None]
+    # HF works on [batch, heads, seq, head_dim].
+    hf_q, hf_k = llama.apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    q_dev, k_dev = q.to(DEVICE), k.to(DEVICE)
+    triton_rotary_embedding(positions.to(DEVICE), q_dev, k_dev, cache.to(DEVICE))
+    torch.testing.assert_close(q_dev.cpu(), hf_q[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k_dev.cpu(), hf_k[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
