@@ -231,7 +231,8 @@ def test_no_prefix_caching_when_disabled():
 
 
 def test_can_allocate_ok_later_never():
-    bm = BlockSpaceManager(BS, num_gpu_blocks=4, num_cpu_blocks=0, enable_caching=False, watermark=0)
+    bm = BlockSpaceManager(BS, num_gpu_blocks=4, num_cpu_blocks=0, enable_caching=False,
+                           watermark=0)
     assert bm.can_allocate(make_group(list(range(17)))) == AllocStatus.NEVER  # 5 blocks
     admit(bm, list(range(8)))
     assert bm.can_allocate(make_group(list(range(8)))) == AllocStatus.OK

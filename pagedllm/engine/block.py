@@ -84,7 +84,9 @@ class BlockAllocator:
     def free(self, block: PhysicalTokenBlock) -> None:
         """Drop one reference; at zero the block becomes free, or evictable if it is cached."""
         if block.device != self.device:
-            raise ValueError(f"block {block.block_number} is a {block.device} block, not {self.device}")
+            raise ValueError(
+                f"block {block.block_number} is a {block.device} block, not {self.device}"
+            )
         if block.ref_count <= 0:
             raise ValueError(f"double free of {self.device} block {block.block_number}")
         block.ref_count -= 1

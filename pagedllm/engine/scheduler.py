@@ -99,8 +99,8 @@ class Scheduler:
         if seq_group.max_num_samples > limit:
             raise ValueError(
                 f"request {seq_group.request_id!r} needs {seq_group.max_num_samples} sequences "
-                f"(n/best_of) but a step holds at most {limit} "
-                f"(max_num_seqs={cfg.max_num_seqs}, max_num_batched_tokens={cfg.max_num_batched_tokens})"
+                f"(n/best_of) but a step holds at most {limit} (max_num_seqs="
+                f"{cfg.max_num_seqs}, max_num_batched_tokens={cfg.max_num_batched_tokens})"
             )
         self._groups[seq_group.request_id] = seq_group
         self._group_of_seq[seqs[0].seq_id] = seq_group
@@ -302,6 +302,9 @@ class Scheduler:
             if seq.is_finished():
                 self.block_manager.free(seq)
         running = group.get_seqs(SequenceStatus.RUNNING)
+        if not running:  # finished, its blocks just freed: nothing left to preempt
+            self._forget(group)
+            return
         swap = len(running) > 1 or self.scheduler_config.preemption_mode == "swap"
         if swap and not self.block_manager.can_swap_out(group):
             if len(running) > 1:

@@ -30,11 +30,13 @@ def write_kv_cache(
 
 def gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor, max_seq_len: int) -> torch.Tensor:
     """The K and V of every sequence, padded: [2, num_seqs, max_seq_len, kv_heads, head_dim]."""
-    block_size = kv_cache.shape[2]
+    _, total_blocks, block_size, kv_heads, head_dim = kv_cache.shape
+    num_seqs = block_tables.shape[0]
     num_blocks = math.ceil(max_seq_len / block_size)
-    tables = block_tables[:, :num_blocks].long()
-    kv = kv_cache[:, tables]  # [2, seqs, blocks, block_size, kv_heads, head_dim]
-    kv = kv.flatten(2, 3)
+    ids = block_tables[:, :num_blocks].reshape(-1).long()
+    # index_select on a flat view is several times faster than advanced indexing here.
+    kv = kv_cache.view(2, total_blocks, -1).index_select(1, ids)
+    kv = kv.view(2, num_seqs, num_blocks * block_size, kv_heads, head_dim)
     return kv[:, :, :max_seq_len]
 
 

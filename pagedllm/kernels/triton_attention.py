@@ -29,11 +29,14 @@ from pagedllm.layers.metadata import PagedAttentionInputMetadata
 
 LOG2E = 1.4426950408889634
 
-# Tile sizes (keys per inner step, query rows per prefill tile). Module constants so a
-# benchmark or a test can change them.
+# Launch configuration: keys per inner step, query rows per prefill tile, warps, pipeline
+# stages. Module constants so scripts/gpu_kernel_bench.py --tune and the tests can change them.
 DECODE_BLOCK_N = 64
+DECODE_NUM_WARPS = 4
 PREFILL_BLOCK_M = 64
 PREFILL_BLOCK_N = 64
+PREFILL_NUM_WARPS = 4
+PREFILL_NUM_STAGES = 2
 MAX_SPLITS = 16
 MIN_SPLIT_TOKENS = 256  # a split reduces at least this many keys
 
@@ -116,7 +119,7 @@ def _paged_decode_kernel(
     q_pos = seq_len - 1
     kv_lo = 0
     if USE_WINDOW:
-        kv_lo = tl.maximum(seq_len - sliding_window - 1, 0)
+        kv_lo = tl.maximum(seq_len - sliding_window, 0)
     # This split's share of the key tiles [first_tile, last_tile).
     first_tile = kv_lo // BLOCK_N
     num_tiles = tl.cdiv(seq_len, BLOCK_N) - first_tile
@@ -352,8 +355,7 @@ def triton_paged_attention(
         return out
 
     num_heads, head_dim = query.shape[1:]
-    num_kv_heads = kv_cache.shape[3]
-    group = num_heads // num_kv_heads
+    group = num_heads // kv_cache.shape[3]
     if alibi is not None:
         alibi = alibi.to(device=query.device, dtype=torch.float32).contiguous()
     common = dict(
@@ -377,19 +379,23 @@ def triton_paged_attention(
     )
     alibi_arg = alibi if alibi is not None else meta.seq_lens  # any tensor; never read
 
-    if meta.max_query_len == 1:
+    # Decode indexes sequences by token; a sequence without a query token breaks that.
+    if meta.max_query_len == 1 and query.shape[0] == meta.num_seqs:
         _decode(out, query, kv_cache, meta, alibi_arg, num_splits, common)
     else:
-        block_m = max(PREFILL_BLOCK_M, triton.next_power_of_2(group))
-        group_pad = triton.next_power_of_2(group)
-        block_q = block_m // group_pad
-        grid = (meta.num_seqs, triton.cdiv(meta.max_query_len, block_q), num_kv_heads)
-        _paged_prefill_kernel[grid](
-            out, query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, alibi_arg,
-            GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=PREFILL_BLOCK_N,
-            num_warps=4, num_stages=2, **common,
-        )
+        _prefill(out, query, kv_cache, meta, alibi_arg, common)
     return out
+
+
+def _prefill(out, query, kv_cache, meta, alibi_arg, common) -> None:
+    group_pad = triton.next_power_of_2(common["GROUP"])
+    block_q = max(PREFILL_BLOCK_M, group_pad) // group_pad
+    grid = (meta.num_seqs, triton.cdiv(meta.max_query_len, block_q), kv_cache.shape[3])
+    _paged_prefill_kernel[grid](
+        out, query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, alibi_arg,
+        GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=PREFILL_BLOCK_N,
+        num_warps=PREFILL_NUM_WARPS, num_stages=PREFILL_NUM_STAGES, **common,
+    )
 
 
 def _partial_buffers(num_seqs: int, num_heads: int, num_splits: int, head_dim: int, device: torch.device):
@@ -421,7 +427,7 @@ def _decode(out, query, kv_cache, meta, alibi_arg, num_splits, common) -> None:
         out, part_m, part_l, part_acc,
         query, kv_cache, meta.block_tables, meta.seq_lens, alibi_arg,
         num_heads=num_heads, GROUP_PAD=group_pad, BLOCK_N=DECODE_BLOCK_N, NUM_SPLITS=num_splits,
-        num_warps=4, num_stages=2, **common,
+        num_warps=DECODE_NUM_WARPS, num_stages=2, **common,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](

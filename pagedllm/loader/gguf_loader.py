@@ -21,7 +21,11 @@ logger = logging.getLogger(__name__)
 
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
-_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -85,7 +89,8 @@ def gguf_model_config(reader: gguf.GGUFReader, path: str) -> ModelConfig:
     arch = _field(reader, path, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ModelLoadError(
-            path, f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}"
+            path,
+            f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}",
         )
 
     def key(name: str, default: Any = ...) -> Any:
@@ -96,7 +101,8 @@ def gguf_model_config(reader: gguf.GGUFReader, path: str) -> ModelConfig:
         raise ModelLoadError(path, "GGUF file has no token_embd.weight tensor")
     hidden = int(key("embedding_length"))
     heads = int(key("attention.head_count"))
-    eos = [_field(reader, path, f"tokenizer.ggml.{k}_token_id", None) for k in ("eos", "eot", "eom")]
+    eos = [_field(reader, path, f"tokenizer.ggml.{kind}_token_id", None)
+           for kind in ("eos", "eot", "eom")]
     try:
         return ModelConfig(
             architecture=arch,
@@ -157,7 +163,9 @@ def _weight_plan(reader: gguf.GGUFReader, path: str, config: ModelConfig) -> lis
             continue
         hf_name = hf_tensor_name(t.name)
         if hf_name is None:
-            raise ModelLoadError(path, f"unexpected tensor {t.name!r} for a {config.architecture} model")
+            raise ModelLoadError(
+                path, f"unexpected tensor {t.name!r} for a {config.architecture} model"
+            )
         if not _can_dequantize(t.tensor_type):
             raise ModelLoadError(
                 path,
@@ -193,9 +201,11 @@ def _iter_weights(
         t = item.tensor
         try:
             array = gguf.quants.dequantize(t.data, t.tensor_type)
-            array = array.reshape([int(d) for d in reversed(t.shape)])  # GGUF lists dims inner first
+            # GGUF lists dimensions innermost first.
+            array = array.reshape([int(d) for d in reversed(t.shape)])
         except Exception as e:
-            raise ModelLoadError(path, f"cannot dequantize tensor {t.name!r} ({first_line(e)})") from e
+            problem = f"cannot dequantize tensor {t.name!r} ({first_line(e)})"
+            raise ModelLoadError(path, problem) from e
         if item.permute_heads is not None:
             array = unpermute_rotary_rows(array, item.permute_heads)
         if not array.flags.writeable:  # a view of the read-only memory map

@@ -1,4 +1,4 @@
-"""Hugging Face model directories: config.json and *.safetensors (one file or an index of shards)."""
+"""Hugging Face model directories: config.json and *.safetensors (one file, or indexed shards)."""
 from __future__ import annotations
 
 import functools
@@ -68,7 +68,9 @@ def safetensors_files(root: Path, where: str) -> list[Path]:
         return files
     files = sorted(root.glob("*.safetensors"))
     if not files:
-        raise ModelLoadError(where, "no *.safetensors weights in this directory (only safetensors is supported)")
+        raise ModelLoadError(
+            where, "no *.safetensors weights in this directory (only safetensors is supported)"
+        )
     return files
 
 

@@ -61,6 +61,8 @@ def download(repo_id: str, patterns: list[str]) -> str:
             "not found on the Hugging Face hub (a private or gated model needs `hf auth login`)",
         ) from e
     except RevisionNotFoundError as e:
-        raise ModelLoadError(repo_id, f"revision not found on the Hugging Face hub ({first_line(e)})") from e
+        problem = f"revision not found on the Hugging Face hub ({first_line(e)})"
+        raise ModelLoadError(repo_id, problem) from e
     except (HfHubHTTPError, OSError) as e:
-        raise ModelLoadError(repo_id, f"download from the Hugging Face hub failed ({first_line(e)})") from e
+        problem = f"download from the Hugging Face hub failed ({first_line(e)})"
+        raise ModelLoadError(repo_id, problem) from e

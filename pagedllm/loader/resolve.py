@@ -49,7 +49,13 @@ def _source(model: str, load_format: str) -> tuple[ModelSource, str | None]:
         path = path.parent
     if path.is_file():
         if load_format == "safetensors":
-            raise ModelLoadError(model, "load_format='safetensors' needs a directory with config.json")
+            raise ModelLoadError(
+                model, "load_format='safetensors' needs a directory with config.json"
+            )
+        if path.suffix == ".safetensors":
+            raise ModelLoadError(model, "pass the directory that holds it and its config.json")
+        if path.suffix == ".json":
+            raise ModelLoadError(model, "a config alone has no weights; use load_format='dummy'")
         return _gguf_source(str(path))
     if path.is_dir():
         if (path / "config.json").is_file() and load_format != "gguf":
@@ -62,11 +68,15 @@ def _source(model: str, load_format: str) -> tuple[ModelSource, str | None]:
         return _gguf_source(str(gguf_file))
     if preset_config_file(model) is not None:
         if load_format != "auto":
-            raise ModelLoadError(model, f"a preset has no {load_format} weights; use load_format='dummy'")
+            raise ModelLoadError(
+                model, f"a preset has no {load_format} weights; use load_format='dummy'"
+            )
         return _dummy_source(model), None
     if hub.looks_like_hub_id(model):
         if load_format == "gguf":
-            raise ModelLoadError(model, "GGUF files are not downloaded from the hub; pass the .gguf file's path")
+            raise ModelLoadError(
+                model, "GGUF files are not downloaded from the hub; pass the .gguf file's path"
+            )
         folder = hub.download(model, hub.MODEL_PATTERNS)
         if not (Path(folder) / "config.json").is_file():
             raise ModelLoadError(
@@ -111,7 +121,8 @@ def _dummy_source(model: str) -> ModelSource:
         return ModelSource(model.lower(), None, config_from_hf_json(preset, model), None, "dummy")
     if hub.looks_like_hub_id(model):
         folder = Path(hub.download(model, ["config.json", "generation_config.json"]))
-        return ModelSource(model, None, config_from_hf_json(folder / "config.json", model), None, "dummy")
+        config = config_from_hf_json(folder / "config.json", model)
+        return ModelSource(model, None, config, None, "dummy")
     raise ModelLoadError(
         model, f"no such file, directory or preset (presets: {', '.join(preset_names())})"
     )
@@ -121,7 +132,8 @@ def _single_gguf(folder: Path, where: str) -> Path | None:
     files = sorted(folder.glob("*.gguf"))
     if len(files) > 1:
         raise ModelLoadError(
-            where, f"several .gguf files in this directory ({', '.join(f.name for f in files)}); pass one"
+            where,
+            f"several .gguf files in this directory ({', '.join(f.name for f in files)}); pass one",
         )
     return files[0] if files else None
 

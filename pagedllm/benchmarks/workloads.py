@@ -1,0 +1,657 @@
+"""`pagedllm bench <workload>`: fixed workloads that print numbers, with their peers.
+
+    cpu            the default model on the CPU vs transformers `generate` (target: >= 2x)
+    nano           Qwen3-0.6B shape, 256 sequences (nano-vllm's benchmark) vs transformers CB
+    decode-8b      Llama-3-8B shape, batch 1: tokens/s and the share of memory bandwidth
+    throughput-8b  Llama-3-8B shape, 512 requests: output tokens/s (peer: transformers CB)
+    prefix-8b      256 requests sharing a 2,000-token prefix, prefix caching on vs off
+    scheduler      scheduler + block manager time per step with 256 running sequences
+
+Each prints a table (last) and writes JSON to --out; --plot adds a PNG when matplotlib is
+importable. Only generation is timed, never loading; every engine warms up first. The GPU
+workloads run shrunk on a CPU with `--device cpu --model smollm2-135m --num-requests 2
+--max-tokens 4`.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.benchmarks import peers
+from pagedllm.benchmarks.scheduler_bench import run_scheduler_bench
+
+EXIT_USAGE = 2
+
+# Real text for the `cpu` workload: a chat model sees text, not random ids. Prompts are
+# windows of the tokenized passages at seeded offsets, so each has an exact length.
+PASSAGES = [
+    "The lighthouse keeper climbed the spiral stairs every evening at dusk. He trimmed the "
+    "wick, polished the great lens until it gleamed, and wrote the weather in a leather "
+    "logbook: wind from the south-west, a falling glass, fishing boats back before dark.",
+    "To bake a simple loaf, mix five hundred grams of flour with ten grams of salt, seven "
+    "grams of yeast and about three hundred and fifty millilitres of warm water. Knead for "
+    "ten minutes, let it rise for an hour, shape it, let it rise again, then bake it hot.",
+    "A hash table stores values in an array of buckets. A hash function turns each key into "
+    "an index; two keys that land in the same bucket collide, and the table resolves the "
+    "collision by chaining entries in a list or by probing for the next free slot.",
+    "Photosynthesis lets plants turn light into chemical energy. Chlorophyll absorbs red and "
+    "blue light, water is split to release oxygen, and carbon dioxide from the air is fixed "
+    "into sugars that feed the plant and, in the end, almost every animal on Earth.",
+    "The committee met on Tuesday to discuss the new library. Members agreed that the "
+    "reading room should face north for even light, that the children's section needed its "
+    "own entrance, and that the budget for the roof could not be cut any further.",
+    "Dear Maria, thank you for the postcard from Lisbon. The trams sound wonderful and I am "
+    "jealous of the custard tarts. Here the rain has not stopped for a week, the garden is a "
+    "marsh, and the cat refuses to go outside. Write again soon and tell me everything.",
+    "In the eighteenth century, sailors could measure latitude from the height of the sun, "
+    "but longitude needed an accurate clock. John Harrison spent decades building marine "
+    "chronometers that kept time on a rolling ship, and navigation changed for good.",
+    "Question: why does ice float on water? Answer: when water freezes, hydrogen bonds hold "
+    "its molecules in an open hexagonal lattice, which takes up more room than the liquid. "
+    "Ice is therefore less dense than water, and lakes freeze from the top down.",
+]
+
+
+class BenchUsageError(ValueError):
+    """A bad option: main prints `error: <message>` and returns 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise BenchUsageError(f"{message} (see `{self.prog} --help`)")
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    description: str
+    needs_cuda: bool
+    num_requests: int
+    input_len: tuple[int, int]  # prompt tokens (prefix-8b: each request's own tokens)
+    output_len: tuple[int, int]
+    model: str | None = None
+    load_format: str = "auto"
+    dtype: str = "auto"
+    peer: bool = False
+
+
+WORKLOADS: dict[str, Workload] = {w.name: w for w in [
+    Workload("cpu", "default model on the CPU vs transformers generate", False, 32,
+             (16, 256), (64, 64), peer=True),
+    Workload("nano", "Qwen3-0.6B shape, random prompts, sampled outputs of random length",
+             True, 256, (100, 1024), (100, 1024), "qwen3-0.6b", "dummy", "bfloat16", peer=True),
+    Workload("decode-8b", "Llama-3-8B shape, one request: decode speed vs memory bandwidth",
+             True, 1, (128, 128), (512, 512), "llama-3-8b", "dummy", "bfloat16"),
+    Workload("throughput-8b", "Llama-3-8B shape, many requests: output tokens/s", True, 512,
+             (256, 1024), (256, 256), "llama-3-8b", "dummy", "bfloat16"),
+    Workload("prefix-8b", "requests sharing a long prefix: prefix caching on vs off", True,
+             256, (50, 50), (32, 32), "llama-3-8b", "dummy", "bfloat16"),
+    Workload("scheduler", "scheduler + block manager time per decode step, no model", False,
+             256, (128, 128), (1, 1)),
+]}
+
+
+# ----------------------------------------------------------------------------- options
+
+
+def build_parser(workload: Workload) -> argparse.ArgumentParser:
+    w = workload
+    p = _Parser(prog=f"pagedllm bench {w.name}", description=w.description)
+    p.add_argument("--num-requests", type=int, default=w.num_requests,
+                   help=f"requests (scheduler: running sequences) (default {w.num_requests})")
+    p.add_argument("--min-input-len", type=int, default=None,
+                   help=f"shortest prompt in tokens (default {w.input_len[0]})")
+    p.add_argument("--max-input-len", type=int, default=None,
+                   help=f"longest prompt in tokens (default {w.input_len[1]})")
+    p.add_argument("--min-tokens", type=int, default=None,
+                   help=f"fewest output tokens (default {w.output_len[0]})")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help=f"most output tokens (default {w.output_len[1]}); alone, it also "
+                   "lowers --min-tokens")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help=f"JSON file (default bench-results/{w.name}.json)")
+    p.add_argument("--plot", action="store_true", help="also write a PNG bar chart")
+    if w.name == "scheduler":
+        p.add_argument("--num-steps", type=int, default=200)
+        p.add_argument("--block-size", type=int, default=16)
+        p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
+                       action="store_false")
+        return p
+    peer = p.add_mutually_exclusive_group()
+    peer.add_argument("--peer", dest="peer", action="store_true", default=w.peer,
+                      help="also run transformers on the same inputs" +
+                      (" (default)" if w.peer else ""))
+    peer.add_argument("--no-peer", dest="peer", action="store_false")
+    p.add_argument("--model", default=w.model, help=f"default: {w.model or 'SmolLM2-135M GGUF'}")
+    p.add_argument("--load-format", default=w.load_format,
+                   choices=["auto", "gguf", "safetensors", "dummy"])
+    p.add_argument("--dtype", default=w.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cuda" if w.needs_cuda else "cpu")
+    p.add_argument("--device-map", default=None)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--kv-cache-memory", default=None, help="bytes for the KV cache on the CPU")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    if w.name == "nano":
+        p.add_argument("--temperature", type=float, default=0.6)
+        p.add_argument("--peer-max-tokens", type=int, default=None,
+                       help="the fixed output length of the like-for-like comparison "
+                       "(default: the middle of the output range)")
+    if w.name == "prefix-8b":
+        p.add_argument("--prefix-len", type=int, default=2000)
+    return p
+
+
+def _resolve_range(name: str, lo: int | None, hi: int | None, default: tuple[int, int]
+                   ) -> tuple[int, int]:
+    """An override of one end moves the other end only when that one was not given."""
+    for end, value in (("min", lo), ("max", hi)):
+        if value is not None and value < 1:
+            raise BenchUsageError(f"--{end}-{name} must be at least 1, got {value}")
+    low = default[0] if lo is None else lo
+    high = default[1] if hi is None else hi
+    if lo is None:
+        low = min(low, high)
+    if hi is None:
+        high = max(high, low)
+    if low > high:
+        raise BenchUsageError(f"--min-{name} ({low}) is above --max-{name} ({high})")
+    return low, high
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """`[workload, *options]` -> options with `workload`, `input_len` and `output_len` set."""
+    if not argv or argv[0].startswith("-"):
+        raise BenchUsageError(f"name a workload: {', '.join(WORKLOADS)}")
+    workload = WORKLOADS.get(argv[0])
+    if workload is None:
+        raise BenchUsageError(
+            f"unknown benchmark workload {argv[0]!r}; choose from: serve, {', '.join(WORKLOADS)}"
+        )
+    args = build_parser(workload).parse_args(argv[1:])
+    args.workload = workload.name
+    args.input_len = _resolve_range("input-len", args.min_input_len, args.max_input_len,
+                                    workload.input_len)
+    args.output_len = _resolve_range("tokens", args.min_tokens, args.max_tokens,
+                                     workload.output_len)
+    if args.num_requests < 1:
+        raise BenchUsageError(f"--num-requests must be at least 1, got {args.num_requests}")
+    for name in ("num_steps", "prefix_len", "peer_max_tokens"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise BenchUsageError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    device = getattr(args, "device", "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise BenchUsageError(
+            f"workload {workload.name!r} runs on CUDA, which is not available here; to try it "
+            "on the CPU pass --device cpu and a small size, e.g. --model smollm2-135m "
+            "--num-requests 2 --max-tokens 4"
+        )
+    args.out = Path(args.out or f"bench-results/{workload.name}.json")
+    return args
+
+
+# ----------------------------------------------------------------------------- runs
+
+
+@dataclass
+class RunResult:
+    """One timed generation run: a row of the table."""
+
+    name: str
+    num_requests: int
+    input_tokens: int
+    output_tokens: int
+    elapsed_s: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        extra = d.pop("extra")
+        d["output_tokens_per_s"] = self.output_tokens_per_s
+        d["requests_per_s"] = self.num_requests / self.elapsed_s if self.elapsed_s > 0 else 0.0
+        return {**d, **extra}
+
+
+@dataclass
+class Report:
+    workload: str
+    description: str
+    runs: list[RunResult | dict[str, Any]]
+    summary: dict[str, Any]
+    columns: list[tuple[str, str, str]]  # (key, header, format) of the table
+
+
+def random_prompts(rng: random.Random, n: int, lengths: tuple[int, int], vocab: int = 10000
+                   ) -> list[list[int]]:
+    return [[rng.randrange(vocab) for _ in range(rng.randint(*lengths))] for _ in range(n)]
+
+
+def text_prompts(tokenizer, rng: random.Random, n: int, lengths: tuple[int, int]
+                 ) -> list[list[int]]:
+    """Windows of exact length over the tokenized PASSAGES, at seeded offsets."""
+    ids = tokenizer.encode("\n\n".join(PASSAGES), add_special_tokens=False)
+    stream = ids * (lengths[1] // len(ids) + 2)
+    prompts = []
+    for _ in range(n):
+        length = rng.randint(*lengths)
+        start = rng.randrange(len(ids))
+        prompts.append(stream[start:start + length])
+    return prompts
+
+
+def engine_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
+    kwargs = dict(
+        load_format=args.load_format, dtype=args.dtype, device=args.device,
+        device_map=args.device_map, seed=args.seed, enforce_eager=args.enforce_eager,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
+    )
+    kwargs.update(overrides)
+    return kwargs
+
+
+def make_llm(args: argparse.Namespace, **overrides: Any):
+    return LLM(model=args.model, **engine_kwargs(args, **overrides))
+
+
+def free_memory() -> None:
+    """After `del` of an engine or model: give its memory back for the next one."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def warm_up(llm, vocab: int = 10000) -> None:
+    """Compile kernels and run each path once before timing: prefill, decode, greedy, sampled."""
+    rng = random.Random(12345)
+    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (17, 40)]
+    greedy = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
+    sampled = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.8)
+    llm.generate(prompts, [greedy, sampled], use_tqdm=False)
+
+
+def timed_generate(llm, name: str, prompts: list[list[int]], params: list) -> tuple[RunResult, list]:
+    _sync()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    _sync()
+    elapsed = time.perf_counter() - start
+    result = RunResult(name, len(prompts), sum(len(p) for p in prompts),
+                       sum(len(o.outputs[0].token_ids) for o in outs), elapsed)
+    return result, outs
+
+
+def run_peer(name: str, fn: Callable[[], Any], num_requests: int, input_tokens: int
+             ) -> RunResult | dict[str, Any]:
+    """A peer that fails leaves a note in the report instead of losing pagedllm's numbers."""
+    try:
+        peer = fn()
+    except Exception as exc:  # noqa: BLE001 - any failure of the third-party peer
+        print(f"warning: peer {name} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return {"name": name, "error": f"{type(exc).__name__}: {exc}"}
+    return RunResult(name, num_requests, input_tokens, peer.output_tokens, peer.elapsed_s)
+
+
+def _ratio(a: RunResult | dict, b: RunResult | dict) -> float | None:
+    if not (isinstance(a, RunResult) and isinstance(b, RunResult)) or not b.output_tokens_per_s:
+        return None
+    return a.output_tokens_per_s / b.output_tokens_per_s
+
+
+def _dtype(name: str, device: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return getattr(torch, name)
+
+
+THROUGHPUT_COLUMNS = [
+    ("name", "run", "{}"), ("num_requests", "requests", "{:d}"),
+    ("input_tokens", "input tok", "{:d}"), ("output_tokens", "output tok", "{:d}"),
+    ("elapsed_s", "time (s)", "{:.2f}"), ("output_tokens_per_s", "output tok/s", "{:.1f}"),
+]
+
+
+# ----------------------------------------------------------------------------- workloads
+
+
+def bench_cpu(args: argparse.Namespace) -> Report:
+    rng = random.Random(args.seed)
+    llm = make_llm(args)
+    if llm.get_tokenizer() is not None:
+        prompts = text_prompts(llm.get_tokenizer(), rng, args.num_requests, args.input_len)
+        kind = "real text (tokenized windows of fixed passages)"
+    else:
+        prompts = random_prompts(rng, args.num_requests, args.input_len)
+        kind = "random token ids in [0, 10000)"
+    max_tokens = args.output_len[1]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    warm_up(llm)
+    ours, _ = timed_generate(llm, "pagedllm", prompts, [params] * len(prompts))
+    del llm
+    free_memory()
+    runs: list[RunResult | dict] = [ours]
+    if args.peer:
+        def peer() -> peers.PeerRun:
+            model = peers.load_peer_model(args.model, args.load_format,
+                                          _dtype(args.dtype, args.device), args.device)
+            try:
+                return peers.hf_generate(model, prompts, max_tokens)
+            finally:
+                del model
+                free_memory()
+
+        runs.append(run_peer("transformers generate", peer, len(prompts), ours.input_tokens))
+    summary = {"prompts": kind, "output_len": max_tokens, "target_ratio": 2.0,
+               "num_threads": torch.get_num_threads()}
+    if len(runs) > 1:
+        summary["ratio"] = ratio = _ratio(runs[0], runs[1])
+        summary["meets_target"] = ratio is not None and ratio >= 2.0
+    return Report("cpu", WORKLOADS["cpu"].description, runs, summary, THROUGHPUT_COLUMNS)
+
+
+def bench_nano(args: argparse.Namespace) -> Report:
+    rng = random.Random(args.seed)
+    prompts = random_prompts(rng, args.num_requests, args.input_len)
+    params = [SamplingParams(temperature=args.temperature, ignore_eos=True,
+                             max_tokens=rng.randint(*args.output_len)) for _ in prompts]
+    input_tokens = sum(len(p) for p in prompts)
+    fixed_len = args.peer_max_tokens or (args.output_len[0] + args.output_len[1]) // 2
+    llm = make_llm(args)
+    warm_up(llm)
+    sampled, _ = timed_generate(llm, f"pagedllm (T={args.temperature}, random out len)",
+                                prompts, params)
+    runs: list[RunResult | dict] = [sampled]
+    summary: dict[str, Any] = {"prompts": "random token ids in [0, 10000)"}
+    if args.peer:
+        greedy = SamplingParams(temperature=0.0, max_tokens=fixed_len, ignore_eos=True)
+        fixed, _ = timed_generate(llm, f"pagedllm (greedy, {fixed_len} out)", prompts,
+                                  [greedy] * len(prompts))
+        runs.append(fixed)
+    del llm
+    free_memory()
+    if args.peer:
+        def peer() -> peers.PeerRun:
+            model = peers.load_peer_model(args.model, args.load_format,
+                                          _dtype(args.dtype, args.device), args.device,
+                                          attn_implementation="paged|sdpa")
+            try:
+                return peers.hf_generate_batch(model, prompts, fixed_len)
+            finally:
+                del model
+                free_memory()
+
+        runs.append(run_peer(f"transformers CB (greedy, {fixed_len} out)", peer, len(prompts),
+                             input_tokens))
+        summary["peer_output_len"] = fixed_len
+        summary["ratio"] = _ratio(runs[1], runs[2])
+    return Report("nano", WORKLOADS["nano"].description, runs, summary, THROUGHPUT_COLUMNS)
+
+
+def measure_copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 10
+                           ) -> float:
+    """Bytes per second of a large device-to-device copy (read + write), median of repeats."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1000)
+        else:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t0)
+    del src, dst
+    return 2 * nbytes / statistics.median(times)
+
+
+def weight_bytes_per_token(model: torch.nn.Module) -> int:
+    """Bytes of weights one decode step reads: all parameters, except an untied input
+    embedding, of which a step reads only one row per token."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embedding = getattr(getattr(model, "embed_tokens", None), "weight", None)
+    head = getattr(model, "lm_head", None)  # None: tied to the embedding, read in full
+    if head is not None and embedding is not None and head.weight is not embedding:
+        total -= embedding.numel() * embedding.element_size()
+    return total
+
+
+def bench_decode(args: argparse.Namespace) -> Report:
+    rng = random.Random(args.seed)
+    prompts = random_prompts(rng, args.num_requests, args.input_len)
+    n_out = args.output_len[1]
+    params = SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True)
+    llm = make_llm(args)
+    warm_up(llm)
+    result, outs = timed_generate(llm, "pagedllm", prompts, [params] * len(prompts))
+    # Decode speed per request: tokens after the first over the time between first and last.
+    rates = []
+    for o in outs:
+        m, n = o.metrics, len(o.outputs[0].token_ids)
+        if n > 1 and m.last_token_time > m.first_token_time:
+            rates.append((n - 1) / (m.last_token_time - m.first_token_time))
+    decode_rate = statistics.fmean(rates) if rates else 0.0
+    wbytes = weight_bytes_per_token(llm.engine.worker.model)
+    device = llm.engine.worker.device_map.layer_devices[0]
+    del llm
+    free_memory()
+    nbytes = (1 << 30) if device.type == "cuda" else (1 << 26)
+    bandwidth = measure_copy_bandwidth(device, nbytes)
+    share = wbytes * decode_rate / bandwidth
+    result.extra.update(decode_tokens_per_s=decode_rate, ms_per_token=1000 / decode_rate
+                        if decode_rate else None, bandwidth_share=share)
+    summary = {"weight_bytes": wbytes, "copy_bandwidth_gb_s": bandwidth / 1e9,
+               "decode_tokens_per_s": decode_rate, "bandwidth_share": share,
+               "achieved_gb_s": wbytes * decode_rate / 1e9}
+    columns = THROUGHPUT_COLUMNS + [("decode_tokens_per_s", "decode tok/s", "{:.1f}"),
+                                    ("ms_per_token", "ms/token", "{:.2f}"),
+                                    ("bandwidth_share", "of bandwidth", "{:.1%}")]
+    return Report("decode-8b", WORKLOADS["decode-8b"].description, [result], summary, columns)
+
+
+def bench_throughput(args: argparse.Namespace) -> Report:
+    rng = random.Random(args.seed)
+    prompts = random_prompts(rng, args.num_requests, args.input_len)
+    n_out = args.output_len[1]
+    params = SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True)
+    llm = make_llm(args)
+    warm_up(llm)
+    ours, _ = timed_generate(llm, "pagedllm", prompts, [params] * len(prompts))
+    preemptions = llm.engine.get_stats().num_preemptions
+    del llm
+    free_memory()
+    runs: list[RunResult | dict] = [ours]
+    summary: dict[str, Any] = {"prompts": "random token ids in [0, 10000)",
+                               "num_preemptions": preemptions}
+    if args.peer:
+        def peer() -> peers.PeerRun:
+            model = peers.load_peer_model(args.model, args.load_format,
+                                          _dtype(args.dtype, args.device), args.device,
+                                          attn_implementation="paged|sdpa")
+            try:
+                return peers.hf_generate_batch(model, prompts, n_out)
+            finally:
+                del model
+                free_memory()
+
+        runs.append(run_peer("transformers CB", peer, len(prompts), ours.input_tokens))
+        summary["ratio"] = _ratio(runs[0], runs[1])
+    return Report("throughput-8b", WORKLOADS["throughput-8b"].description, runs, summary,
+                  THROUGHPUT_COLUMNS)
+
+
+def bench_prefix(args: argparse.Namespace) -> Report:
+    rng = random.Random(args.seed)
+    prefix = [rng.randrange(10000) for _ in range(args.prefix_len)]
+    prompts = [prefix + p for p in random_prompts(rng, args.num_requests, args.input_len)]
+    n_out = args.output_len[1]
+    params = [SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True)] * len(prompts)
+    runs: list[RunResult | dict] = []
+    for caching in (True, False):
+        llm = make_llm(args, enable_prefix_caching=caching)
+        warm_up(llm)  # random prompts: the shared prefix is not cached before timing
+        result, outs = timed_generate(llm, f"prefix caching {'on' if caching else 'off'}",
+                                      prompts, params)
+        cached = sum(o.num_cached_tokens for o in outs)
+        result.extra.update(
+            cached_prompt_tokens=cached,
+            prefix_hit_rate=cached / result.input_tokens,
+            total_tokens_per_s=(result.input_tokens + result.output_tokens) / result.elapsed_s,
+        )
+        runs.append(result)
+        del llm
+        free_memory()
+    on, off = runs
+    lo, hi = args.input_len
+    summary = {"prefix_len": args.prefix_len, "own_tokens": str(lo) if lo == hi else f"{lo}-{hi}",
+               "speedup": off.elapsed_s / on.elapsed_s if on.elapsed_s else None}
+    columns = THROUGHPUT_COLUMNS + [("total_tokens_per_s", "total tok/s", "{:.1f}"),
+                                    ("prefix_hit_rate", "prefix hits", "{:.1%}")]
+    return Report("prefix-8b", WORKLOADS["prefix-8b"].description, runs, summary, columns)
+
+
+def bench_scheduler(args: argparse.Namespace) -> Report:
+    if args.input_len[0] != args.input_len[1]:
+        raise BenchUsageError("the scheduler workload takes one prompt length: "
+                              "give --min-input-len and --max-input-len the same value")
+    result = run_scheduler_bench(
+        num_seqs=args.num_requests, prompt_len=args.input_len[0], num_steps=args.num_steps,
+        block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
+        seed=args.seed,
+    )
+    row = {"name": "schedule + update", **result.to_dict()}
+    columns = [("name", "step", "{}"), ("num_seqs", "running seqs", "{:d}"),
+               ("num_steps", "steps", "{:d}"), ("mean_us", "mean (us)", "{:.1f}"),
+               ("p50_us", "p50 (us)", "{:.1f}"), ("p99_us", "p99 (us)", "{:.1f}"),
+               ("schedule_mean_us", "schedule() mean (us)", "{:.1f}")]
+    summary = {"enable_prefix_caching": args.enable_prefix_caching, "block_size": args.block_size}
+    return Report("scheduler", WORKLOADS["scheduler"].description, [row], summary, columns)
+
+
+RUNNERS: dict[str, Callable[[argparse.Namespace], Report]] = {
+    "cpu": bench_cpu, "nano": bench_nano, "decode-8b": bench_decode,
+    "throughput-8b": bench_throughput, "prefix-8b": bench_prefix, "scheduler": bench_scheduler,
+}
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def environment(args: argparse.Namespace) -> dict[str, Any]:
+    import platform
+
+    import transformers
+
+    device = getattr(args, "device", "cpu")
+    env = {"python": platform.python_version(), "torch": torch.__version__,
+           "transformers": transformers.__version__, "device": device,
+           "cpu_threads": torch.get_num_threads()}
+    if device.startswith("cuda"):
+        env["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return env
+
+
+def report_dict(report: Report, args: argparse.Namespace) -> dict[str, Any]:
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                if k not in ("out", "plot", "workload", "min_input_len", "max_input_len",
+                             "min_tokens", "max_tokens")}
+    return {
+        "workload": report.workload,
+        "description": report.description,
+        "settings": settings,
+        "environment": environment(args),
+        "runs": [r.to_dict() if isinstance(r, RunResult) else r for r in report.runs],
+        "summary": report.summary,
+    }
+
+
+def format_table(report: Report, rows: list[dict[str, Any]]) -> str:
+    headers = [h for _, h, _ in report.columns]
+    cells = []
+    for row in rows:
+        if "error" in row:
+            cells.append([row["name"], f"failed: {row['error']}"[:80]] + [""] * (len(headers) - 2))
+            continue
+        cells.append([fmt.format(row[key]) if row.get(key) is not None else "-"
+                      for key, _, fmt in report.columns])
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w)
+                       in enumerate(zip(headers, widths)))]
+    lines.append("  ".join("-" * w for w in widths))
+    for c in cells:
+        lines.append("  ".join(v.ljust(w) if i == 0 else v.rjust(w)
+                               for i, (v, w) in enumerate(zip(c, widths))))
+    for key, value in report.summary.items():
+        if isinstance(value, float):
+            value = f"{value:.3f}"
+        lines.append(f"{key}: {value}")
+    return "\n".join(lines)
+
+
+def write_plot(report: Report, rows: list[dict[str, Any]], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("note: matplotlib is not installed; no plot written", file=sys.stderr)
+        return False
+    key, label = ("mean_us", "us per step") if report.workload == "scheduler" else (
+        "output_tokens_per_s", "output tokens/s")
+    rows = [r for r in rows if r.get(key) is not None]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.barh([r["name"] for r in rows], [r[key] for r in rows])
+    ax.set_xlabel(label)
+    ax.set_title(f"pagedllm bench {report.workload}")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str]) -> int:
+    try:
+        args = parse_args(list(argv))
+        report = RUNNERS[args.workload](args)
+    except BenchUsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except SystemExit as exc:  # --help
+        return int(exc.code or 0)
+    data = report_dict(report, args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(data, indent=2) + "\n")
+    if args.plot and write_plot(report, data["runs"], args.out.with_suffix(".png")):
+        print(f"plot: {args.out.with_suffix('.png')}", file=sys.stderr)
+    print(f"results: {args.out}", file=sys.stderr)
+    print(format_table(report, data["runs"]))
+    return 0

@@ -1,0 +1,136 @@
+"""`pagedllm bench` workloads: the list, option parsing, and tiny real runs (cpu, scheduler)."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from pagedllm.benchmarks import workloads
+from pagedllm.benchmarks.scheduler_bench import percentile
+from pagedllm.benchmarks.workloads import BenchUsageError, parse_args
+
+GPU_WORKLOADS = ["nano", "decode-8b", "throughput-8b", "prefix-8b"]
+
+
+def test_workload_list():
+    assert list(workloads.WORKLOADS) == ["cpu", *GPU_WORKLOADS, "scheduler"]
+    assert set(workloads.RUNNERS) == set(workloads.WORKLOADS)
+    assert [w for w in workloads.WORKLOADS.values() if w.needs_cuda] == [
+        workloads.WORKLOADS[n] for n in GPU_WORKLOADS
+    ]
+
+
+def test_defaults_follow_the_workload():
+    nano = parse_args(["nano", "--device", "cpu"])
+    assert (nano.num_requests, nano.input_len, nano.output_len) == (256, (100, 1024), (100, 1024))
+    assert (nano.model, nano.load_format, nano.dtype, nano.peer) == (
+        "qwen3-0.6b", "dummy", "bfloat16", True)
+    assert nano.temperature == 0.6
+    cpu = parse_args(["cpu"])
+    assert (cpu.model, cpu.device, cpu.peer, cpu.output_len) == (None, "cpu", True, (64, 64))
+    assert str(cpu.out) == "bench-results/cpu.json"
+    prefix = parse_args(["prefix-8b", "--device", "cpu"])
+    assert (prefix.prefix_len, prefix.input_len, prefix.peer) == (2000, (50, 50), False)
+
+
+def test_overriding_one_end_of_a_range():
+    assert parse_args(["nano", "--device", "cpu", "--max-tokens", "4"]).output_len == (4, 4)
+    assert parse_args(["nano", "--device", "cpu", "--min-tokens", "2000"]).output_len == (2000, 2000)
+    assert parse_args(["nano", "--device", "cpu", "--min-tokens", "200"]).output_len == (200, 1024)
+    assert parse_args(["cpu", "--max-input-len", "8"]).input_len == (8, 8)
+    assert parse_args(["cpu", "--no-peer"]).peer is False
+    assert parse_args(["throughput-8b", "--device", "cpu", "--peer"]).peer is True
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["nano", "--device", "cpu", "--min-tokens", "9", "--max-tokens", "5"],
+     "--min-tokens (9) is above --max-tokens (5)"),
+    (["cpu", "--max-tokens", "0"], "--max-tokens must be at least 1, got 0"),
+    (["cpu", "--num-requests", "0"], "--num-requests must be at least 1, got 0"),
+    (["prefix-8b", "--device", "cpu", "--prefix-len", "0"], "--prefix-len must be at least 1"),
+    (["warp-speed"], "unknown benchmark workload 'warp-speed'"),
+    (["cpu", "--frobnicate"], "unrecognized arguments: --frobnicate"),
+    (["cpu", "--peer", "--no-peer"], "not allowed with argument"),
+    ([], "name a workload"),
+])
+def test_bad_options_raise_a_clear_error(argv, message, capsys):
+    with pytest.raises(BenchUsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_args(argv)
+    assert workloads.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("name", GPU_WORKLOADS)
+def test_gpu_workloads_need_cuda_or_device_cpu(name, capsys):
+    assert workloads.main([name, "--no-peer"]) == 2
+    assert "CUDA, which is not available" in capsys.readouterr().err
+    assert parse_args([name, "--device", "cpu"]).device == "cpu"
+
+
+class CharTokenizer:
+    """One token per character: enough to check the windows' lengths."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) for c in text]
+
+
+def test_text_prompts_have_exact_seeded_lengths():
+    tok = CharTokenizer()
+    a = workloads.text_prompts(tok, random.Random(3), 20, (16, 5000))
+    b = workloads.text_prompts(tok, random.Random(3), 20, (16, 5000))
+    assert a == b
+    assert all(16 <= len(p) <= 5000 for p in a)
+    assert any(len(p) > len("\n\n".join(workloads.PASSAGES)) for p in a)  # wraps around
+    text = "".join(chr(t) for t in a[0])
+    assert text in "\n\n".join(workloads.PASSAGES) * 3
+
+
+def test_percentile_interpolates():
+    values = [float(v) for v in range(101)]
+    random.Random(0).shuffle(values)
+    assert percentile(values, 99) == 99.0
+    assert percentile(values, 50) == 50.0
+    assert percentile([1.0, 2.0], 50) == 1.5
+    assert percentile([7.0], 99) == 7.0
+
+
+def test_scheduler_workload_writes_json(tmp_path, capsys):
+    out = tmp_path / "s.json"
+    argv = ["scheduler", "--num-requests", "8", "--num-steps", "5",
+            "--max-input-len", "20", "--out", str(out)]
+    assert workloads.main(argv) == 0
+    data = json.loads(out.read_text())
+    (row,) = data["runs"]
+    assert (row["num_seqs"], row["prompt_len"], row["num_steps"]) == (8, 20, 5)
+    assert 0 < row["p50_us"] <= row["p99_us"] <= row["max_us"]
+    assert row["schedule_mean_us"] <= row["mean_us"]
+    assert "p99 (us)" in capsys.readouterr().out
+
+
+def test_cpu_workload_runs_shrunk(tmp_path, capsys):
+    # A dummy preset instead of the default GGUF: parsing the GGUF twice (weights and
+    # tokenizer) would take most of this test's time budget.
+    out = tmp_path / "cpu.json"
+    argv = ["cpu", "--model", "smollm2-135m", "--load-format", "dummy", "--num-requests", "2",
+            "--max-tokens", "4", "--max-input-len", "24", "--no-peer",
+            "--kv-cache-memory", "5e7", "--max-num-batched-tokens", "32", "--out", str(out)]
+    assert workloads.main(argv) == 0
+    data = json.loads(out.read_text())
+    assert data["workload"] == "cpu"
+    assert data["settings"]["output_len"] == [4, 4]
+    assert data["environment"]["device"] == "cpu"
+    (run,) = data["runs"]
+    assert run["name"] == "pagedllm"
+    assert run["num_requests"] == 2
+    assert run["output_tokens"] == 2 * 4
+    assert 2 * 16 <= run["input_tokens"] <= 2 * 24
+    assert run["elapsed_s"] > 0
+    assert run["output_tokens_per_s"] == pytest.approx(8 / run["elapsed_s"])
+    assert data["summary"]["prompts"].startswith("random token ids")  # no tokenizer
+    assert "ratio" not in data["summary"]
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert printed[0].split()[:2] == ["run", "requests"]
+    assert printed[2].startswith("pagedllm")

@@ -1,0 +1,494 @@
+"""The OpenAI-compatible server, end to end: a real `pagedllm serve` in a subprocess, driven by
+the official `openai` client (and raw httpx where the wire format itself is under test)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import queue
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from pagedllm.sampling_params import SamplingParams
+from tests.prompts import mixed_prompts
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+MAX_MODEL_LEN = 4096
+NUM_BLOCKS = 160  # 2560 tokens of KV cache: less than the context, so both limits are testable
+SERVER_ARGS = [
+    "--max-model-len", str(MAX_MODEL_LEN),
+    "--num-gpu-blocks-override", str(NUM_BLOCKS),
+    "--swap-space", "0.05",
+]
+
+
+class ServerProcess:
+    """`pagedllm serve --port 0 ...` in a child process; the URL is read from its stdout."""
+
+    def __init__(self, args: list[str], timeout: float = 300) -> None:
+        self.stderr = tempfile.TemporaryFile(mode="w+")
+        env = dict(os.environ, PYTHONPATH=str(REPO))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", "0", *args],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=self.stderr, text=True,
+        )
+        self.stdout_lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read_stdout, daemon=True).start()
+        self.url = self._wait_for_url(timeout)
+
+    def _read_stdout(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.stdout_lines.put(line)
+        self.stdout_lines.put(None)
+
+    def _wait_for_url(self, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.stdout_lines.get(timeout=1)
+            except queue.Empty:
+                continue
+            if line is None:
+                break
+            found = re.search(r" at (http://127\.0\.0\.1:\d+)", line)
+            if found:
+                return found.group(1)
+        self.close()
+        self.stderr.seek(0)
+        raise RuntimeError(f"the server did not start:\n{self.stderr.read()}")
+
+    def read_stderr(self) -> str:
+        self.stderr.seek(0)
+        return self.stderr.read()
+
+    def close(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ServerProcess(SERVER_ARGS)
+    yield srv
+    srv.close()
+    assert "Traceback" not in srv.read_stderr()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                         timeout=300)
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_llm):
+    return default_llm.get_tokenizer()
+
+
+def chat_prompt_ids(llm, messages: list[dict]) -> list[int]:
+    text = llm.engine.apply_chat_template(messages, add_generation_prompt=True)
+    return llm.get_tokenizer().encode(text, add_special_tokens=False)
+
+
+def scrape(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics").text
+    return {
+        m.group(1): float(m.group(2))
+        for m in re.finditer(r"^(pagedllm:\S+?)(?:\{[^}]*\})? (\S+)$", text, re.M)
+    }
+
+
+# ---------------------------------------------------------------------- basics
+
+
+def test_models_health_and_root_routes(server, model):
+    models = httpx.get(server.url + "/v1/models").json()
+    assert models["object"] == "list"
+    card = models["data"][0]
+    assert card["id"] == model and card["object"] == "model"
+    assert card["max_model_len"] == MAX_MODEL_LEN
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_completion_shape_and_usage(client, model, tokenizer):
+    prompt = "The three primary colors are"
+    resp = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0,
+                                     logprobs=0)
+    assert re.fullmatch(r"cmpl-[0-9a-f]{32}", resp.id)
+    assert resp.object == "text_completion" and resp.model == model
+    assert abs(resp.created - time.time()) < 600
+    (choice,) = resp.choices
+    assert choice.index == 0 and choice.text
+    assert resp.usage.prompt_tokens == len(tokenizer.encode(prompt))
+    # One logprob entry per generated token: the count the usage reports.
+    assert resp.usage.completion_tokens == len(choice.logprobs.tokens)
+    assert "".join(choice.logprobs.tokens) == choice.text
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+    if choice.finish_reason == "length":
+        assert resp.usage.completion_tokens == 8
+
+
+def test_completion_stream_matches_non_stream(client, model):
+    kwargs = dict(model=model, prompt="Once upon a time, in a land far away,", max_tokens=12,
+                  temperature=0)
+    full = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(**kwargs, stream=True,
+                                            stream_options={"include_usage": True}))
+    text_chunks, usage_chunk = chunks[:-1], chunks[-1]
+    assert {c.id for c in chunks} == {chunks[0].id} and chunks[0].id.startswith("cmpl-")
+    assert all(c.object == "text_completion" for c in chunks)
+    assert "".join(c.choices[0].text for c in text_chunks) == full.choices[0].text
+    assert text_chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+    assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
+    assert usage_chunk.choices == []
+    assert usage_chunk.usage.model_dump() == full.usage.model_dump()
+
+
+def test_completion_batch_and_token_prompts(client, model, tokenizer):
+    prompts = ["Hello", "The quick brown fox"]
+    batch = client.completions.create(model=model, prompt=prompts, max_tokens=6, temperature=0)
+    assert [c.index for c in batch.choices] == [0, 1]
+    for prompt, choice in zip(prompts, batch.choices):
+        single = client.completions.create(model=model, prompt=tokenizer.encode(prompt),
+                                           max_tokens=6, temperature=0)
+        assert single.choices[0].text == choice.text
+    assert batch.usage.prompt_tokens == sum(len(tokenizer.encode(p)) for p in prompts)
+
+
+def test_completion_echo_with_logprobs(client, model, tokenizer):
+    prompt = "List three fruits:"
+    resp = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0,
+                                     echo=True, logprobs=2)
+    choice = resp.choices[0]
+    assert choice.text.startswith(prompt)
+    n_prompt = len(tokenizer.encode(prompt))
+    lp = choice.logprobs
+    assert len(lp.tokens) == n_prompt + resp.usage.completion_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x <= 0 for x in lp.token_logprobs[1:])
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    for token, chosen, top in zip(lp.tokens[n_prompt:], lp.token_logprobs[n_prompt:],
+                                  lp.top_logprobs[n_prompt:]):
+        # Greedy: the chosen token is the most likely one; at most logprobs + 1 entries.
+        assert 1 <= len(top) <= 3
+        assert top[token] == pytest.approx(chosen) and chosen == pytest.approx(max(top.values()))
+
+
+def test_chat_non_stream_and_stream_agree(client, model, default_llm):
+    messages = [{"role": "user", "content": "Name a large animal."}]
+    resp = client.chat.completions.create(model=model, messages=messages, max_tokens=10,
+                                          temperature=0)
+    assert re.fullmatch(r"chatcmpl-[0-9a-f]{32}", resp.id)
+    assert resp.object == "chat.completion"
+    message = resp.choices[0].message
+    assert message.role == "assistant" and message.content
+    assert resp.usage.prompt_tokens == len(chat_prompt_ids(default_llm, messages))
+
+    chunks = list(client.chat.completions.create(
+        model=model, messages=messages, max_tokens=10, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    ))
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == resp.choices[0].finish_reason and not any(finishes[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == resp.usage.total_tokens
+
+
+def test_greedy_chat_equals_offline_llm(client, model, default_llm):
+    messages = [
+        {"role": "system", "content": "You answer in one short sentence."},
+        {"role": "user", "content": "What is the capital of France?"},
+    ]
+    offline = default_llm.chat(messages, SamplingParams(temperature=0, max_tokens=16),
+                               use_tqdm=False)[0].outputs[0].text
+    served = client.chat.completions.create(model=model, messages=messages, max_tokens=16,
+                                            temperature=0).choices[0].message.content
+    assert served == offline
+
+
+def test_n_samples(client, model):
+    prompt = "Write a haiku about the sea."
+    resp = client.completions.create(model=model, prompt=prompt, max_tokens=8, n=2,
+                                     temperature=1.0, seed=7, logprobs=0)
+    assert [c.index for c in resp.choices] == [0, 1]
+    # The prompt counts once; every sample's tokens count.
+    assert resp.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in resp.choices)
+    single = client.completions.create(model=model, prompt=prompt, max_tokens=1)
+    assert resp.usage.prompt_tokens == single.usage.prompt_tokens
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Say hi"}], max_tokens=6, n=2,
+        temperature=1.0, stream=True,
+    )
+    texts, finished = {0: "", 1: ""}, set()
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finished.add(choice.index)
+    assert finished == {0, 1} and all(texts.values())
+
+
+def test_chat_logprobs(client, model):
+    resp = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Count to three."}], max_tokens=6,
+        temperature=0, logprobs=True, top_logprobs=2,
+    )
+    content = resp.choices[0].logprobs.content
+    assert len(content) == resp.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)  # greedy
+        assert bytes(entry.bytes).decode() == entry.token
+    assert "".join(e.token for e in content) == resp.choices[0].message.content
+
+
+def test_stop_strings(client, model):
+    kwargs = dict(model=model, prompt="The three primary colors are", max_tokens=16,
+                  temperature=0)
+    text = client.completions.create(**kwargs).choices[0].text
+    cut = len(text) // 2
+    stop = text[cut:cut + 3]
+    cut = text.find(stop)
+    stopped = client.completions.create(**kwargs, stop=[stop, "@@never@@"]).choices[0]
+    assert stopped.text == text[:cut] and stopped.finish_reason == "stop"
+    kept = client.completions.create(**kwargs, stop=stop,
+                                     extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].text == text[:cut + len(stop)]
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        **kwargs, stop=stop, stream=True))
+    assert streamed == text[:cut]
+
+
+def test_seed_reproducible(client, model):
+    def sample(seed: int) -> str:
+        return client.completions.create(model=model, prompt="Shopping list:\n1.", max_tokens=12,
+                                         temperature=1.0, seed=seed).choices[0].text
+
+    first = sample(1234)
+    assert sample(1234) == first
+    assert any(sample(seed) != first for seed in (1, 2, 3))
+
+
+def test_sampling_params_are_passed(client, model):
+    # logit_bias forces a token; min_tokens + ignore_eos fix the length.
+    forced = client.completions.create(model=model, prompt="Hello", max_tokens=3, temperature=0,
+                                       logit_bias={"42": 100}, logprobs=0)
+    assert forced.choices[0].logprobs.tokens == [client_decode(client, 42)] * 3
+    fixed = client.completions.create(
+        model=model, prompt="Hello", max_tokens=5, temperature=0.8, top_p=0.9,
+        presence_penalty=0.5, frequency_penalty=0.5,
+        extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "min_tokens": 5,
+                    "ignore_eos": True},
+    )
+    assert fixed.usage.completion_tokens == 5 and fixed.choices[0].finish_reason == "length"
+
+
+def client_decode(client, token_id: int) -> str:
+    url = str(client.base_url).removesuffix("/v1/")
+    return httpx.post(url + "/detokenize", json={"tokens": [token_id]}).json()["prompt"]
+
+
+def test_tokenize_detokenize(server, client, model, default_llm, tokenizer):
+    prompt = "Translate to French: good morning"
+    out = httpx.post(server.url + "/tokenize", json={"prompt": prompt}).json()
+    assert out["tokens"] == tokenizer.encode(prompt)
+    assert out["count"] == len(out["tokens"]) and out["max_model_len"] == MAX_MODEL_LEN
+    back = httpx.post(server.url + "/detokenize", json={"tokens": out["tokens"]}).json()
+    assert back == {"prompt": prompt}
+    messages = [{"role": "user", "content": "Hi there"}]
+    chat = httpx.post(server.url + "/tokenize", json={"messages": messages}).json()
+    assert chat["tokens"] == chat_prompt_ids(default_llm, messages)
+    usage = client.chat.completions.create(model=model, messages=messages, max_tokens=1).usage
+    assert usage.prompt_tokens == chat["count"]
+
+
+# ---------------------------------------------------------------------- errors
+
+LONG = "hello " * (MAX_MODEL_LEN + 100)
+FITS_CONTEXT_NOT_CACHE = "hello " * 3000  # < 4096 context, > 2560 cache tokens
+
+ERROR_CASES = [
+    # (path, body or raw text, status, message fragment, param)
+    ("/v1/completions", "{not json", 400, "malformed JSON", None),
+    ("/v1/completions", {"max_tokens": 2}, 400, "missing required field: prompt", "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens", "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "model": "nope"}, 404,
+     "The model `nope` does not exist.", "model"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "gpt-9"},
+     404, "The model `gpt-9` does not exist.", "model"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400,
+     "temperature must be non-negative", None),
+    ("/v1/completions", {"prompt": "hi", "top_p": 2}, 400, "top_p must be in (0, 1]", None),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n must be at least 1", None),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 30}, 400, "logprobs must be in [0, 20]",
+     None),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"999999": 1}}, 400,
+     "out of range for a vocabulary", None),
+    ("/v1/completions", {"prompt": "hi", "suffix": "!"}, 400, "suffix is not supported",
+     "suffix"),
+    ("/v1/completions", {"prompt": LONG, "max_tokens": 4}, 400,
+     f"but the model's context is {MAX_MODEL_LEN} tokens", None),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, 400,
+     f"more than the model's context of {MAX_MODEL_LEN} tokens", None),
+    ("/v1/completions", {"prompt": FITS_CONTEXT_NOT_CACHE, "max_tokens": 8}, 400,
+     f"the cache holds only {NUM_BLOCKS * 16} tokens", None),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages", "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "top_logprobs": 2}, 400, "top_logprobs requires logprobs",
+     "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400,
+     "missing required field: messages.0.role", "messages.0.role"),
+    ("/tokenize", {}, 400, "exactly one of prompt or messages", "prompt"),
+    ("/detokenize", {"tokens": [-1]}, 400, "token id -1 is out of range", "tokens"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,message,param", ERROR_CASES,
+                         ids=[f"{c[0]}:{c[3][:30]}" for c in ERROR_CASES])
+def test_error_responses(server, client, model, path, body, status, message, param):
+    if isinstance(body, str):
+        resp = httpx.post(server.url + path, content=body,
+                          headers={"Content-Type": "application/json"}, timeout=60)
+    else:
+        resp = httpx.post(server.url + path, json=body, timeout=60)
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    assert message in error["message"]
+    assert error["param"] == param
+    # The server keeps serving.
+    ok = client.completions.create(model=model, prompt="Hello", max_tokens=2)
+    assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def test_openai_client_sees_errors(client, model):
+    with pytest.raises(openai.BadRequestError, match="temperature must be non-negative"):
+        client.completions.create(model=model, prompt="hi", temperature=-0.5)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.chat.completions.create(model="missing", messages=[{"role": "user",
+                                                                   "content": "hi"}])
+    with pytest.raises(openai.BadRequestError, match="the cache holds only"):
+        client.completions.create(model=model, prompt=FITS_CONTEXT_NOT_CACHE, max_tokens=8,
+                                  stream=True)
+
+
+# ----------------------------------------------------------- concurrency, metrics
+
+
+def test_concurrent_streams_with_disconnects(server, client, model):
+    prompts = mixed_prompts()
+    assert len(prompts) == 32
+    expected = asyncio.run(_non_streamed(server.url, model, prompts))
+    streamed, aborted_chunks = asyncio.run(_streamed(server.url, model, prompts))
+    for i in range(8, 32):
+        assert streamed[i] == expected[i], f"prompt {i}: {prompts[i]!r}"
+    assert all(n == 2 for n in aborted_chunks)
+
+    deadline = time.monotonic() + 10
+    while True:
+        metrics = scrape(server.url)
+        idle = (metrics["pagedllm:num_requests_running"] == 0
+                and metrics["pagedllm:num_requests_waiting"] == 0
+                and metrics["pagedllm:kv_cache_usage_perc"] == 0)
+        if idle or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert idle, metrics
+
+
+async def _non_streamed(url: str, model: str, prompts: list[str]) -> list[str]:
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0,
+                                  timeout=300) as aclient:
+        results = await asyncio.gather(*(
+            aclient.completions.create(model=model, prompt=p, max_tokens=16, temperature=0)
+            for p in prompts
+        ))
+    return [r.choices[0].text for r in results]
+
+
+async def _streamed(url: str, model: str, prompts: list[str]) -> tuple[list[str], list[int]]:
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0,
+                                  timeout=300) as aclient:
+
+        async def full(prompt: str) -> str:
+            stream = await aclient.completions.create(model=model, prompt=prompt, max_tokens=16,
+                                                      temperature=0, stream=True)
+            return "".join([c.choices[0].text async for c in stream])
+
+        async def leave_early(prompt: str) -> int:
+            # Long enough that only an abort can end it within the test.
+            stream = await aclient.completions.create(
+                model=model, prompt=prompt, max_tokens=2000, temperature=0, stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            seen = 0
+            async for _ in stream:
+                seen += 1
+                if seen == 2:
+                    break
+            await stream.close()
+            return seen
+
+        results = await asyncio.gather(*(leave_early(p) for p in prompts[:8]),
+                                       *(full(p) for p in prompts[8:]))
+    return [""] * 8 + list(results[8:]), list(results[:8])
+
+
+def test_metrics_exposition(server, client, model):
+    before = scrape(server.url)
+    resp = client.completions.create(model=model, prompt="Q: What is 2 + 2?\nA:", max_tokens=4,
+                                     extra_body={"ignore_eos": True})
+    after = scrape(server.url)
+    assert after["pagedllm:generation_tokens_total"] - before.get(
+        "pagedllm:generation_tokens_total", 0) == resp.usage.completion_tokens
+    assert after["pagedllm:prompt_tokens_total"] - before.get(
+        "pagedllm:prompt_tokens_total", 0) == resp.usage.prompt_tokens
+    assert after["pagedllm:time_to_first_token_seconds_count"] == before.get(
+        "pagedllm:time_to_first_token_seconds_count", 0) + 1
+    assert after["pagedllm:inter_token_latency_seconds_count"] >= before.get(
+        "pagedllm:inter_token_latency_seconds_count", 0) + resp.usage.completion_tokens - 1
+    for name in ("num_requests_running", "num_requests_waiting", "num_requests_swapped",
+                 "kv_cache_usage_perc", "prefix_cache_hit_rate"):
+        assert f"pagedllm:{name}" in after
+    assert 0 <= after["pagedllm:prefix_cache_hit_rate"] <= 1
+
+
+def test_sse_wire_format(server, model):
+    body = {"model": model, "prompt": "Hello", "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        raw = resp.read().decode()
+    events = [e for e in raw.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    for event in events[:-1]:
+        assert json.loads(event[6:])["object"] == "text_completion"
