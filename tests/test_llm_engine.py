@@ -1,0 +1,142 @@
+"""LLMEngine / LLM behaviour on the default model: sampling features end to end."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import SamplingParams
+from tests.paged_helpers import PagedRunner
+
+PROMPT = "Once upon a time, in a small village by the sea, there lived"
+
+
+def _no_leaks(llm):
+    bm = llm.engine.scheduler.block_manager
+    assert bm.get_num_free_gpu_blocks() == bm.num_total_gpu_blocks
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_best_of_returns_the_n_most_likely_samples(default_llm):
+    params = SamplingParams(n=4, best_of=8, temperature=1.0, max_tokens=8, seed=7,
+                            logprobs=0)
+    out = default_llm.generate(PROMPT, params, use_tqdm=False)[0]
+    assert len(out.outputs) == 4
+    scores = [o.cumulative_logprob for o in out.outputs]
+    assert scores == sorted(scores, reverse=True)
+    # The same 8 samples, all returned: the 4 kept are the top 4 of them.
+    every = SamplingParams(n=8, best_of=8, temperature=1.0, max_tokens=8, seed=7, logprobs=0)
+    all8 = default_llm.generate(PROMPT, every, use_tqdm=False)[0]
+    top4 = sorted((o.cumulative_logprob for o in all8.outputs), reverse=True)[:4]
+    assert scores == pytest.approx(top4)
+    # cumulative_logprob is the sum of the chosen tokens' logprobs.
+    for o in out.outputs:
+        total = sum(step[t].logprob for step, t in zip(o.logprobs, o.token_ids))
+        assert o.cumulative_logprob == pytest.approx(total, abs=1e-4)
+    _no_leaks(default_llm)
+
+
+def test_seeded_sampling_is_reproducible(default_llm):
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=1234)
+    a = default_llm.generate([PROMPT, "Hello"], params, use_tqdm=False)
+    b = default_llm.generate(["Hello", PROMPT], params, use_tqdm=False)
+    assert a[0].outputs[0].token_ids == b[1].outputs[0].token_ids
+    assert a[1].outputs[0].token_ids == b[0].outputs[0].token_ids
+    c = default_llm.generate(PROMPT, SamplingParams(temperature=1.0, max_tokens=12, seed=99),
+                             use_tqdm=False)
+    assert c[0].outputs[0].token_ids != a[0].outputs[0].token_ids
+
+
+def test_logprobs_equal_log_softmax_of_a_direct_forward(default_llm):
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=3, prompt_logprobs=2)
+    out = default_llm.generate(PROMPT, params, use_tqdm=False)[0]
+    tokens = out.prompt_token_ids + out.outputs[0].token_ids
+    engine = default_llm.engine
+    runner = PagedRunner(engine.worker.model, engine.model_config, num_blocks=16, block_size=16)
+    expected = torch.log_softmax(runner.step({0: tokens}), dim=-1)
+    n = len(out.prompt_token_ids)
+    for i, step in enumerate(out.outputs[0].logprobs):
+        row = expected[n - 1 + i]
+        chosen = out.outputs[0].token_ids[i]
+        assert step[chosen].logprob == pytest.approx(row[chosen].item(), abs=1e-4)
+        assert step[chosen].rank == 1  # greedy
+        top = torch.topk(row, 3).indices.tolist()
+        assert set(top) <= set(step)
+    assert out.prompt_logprobs[0] is None
+    for i in range(1, n):
+        got = out.prompt_logprobs[i][tokens[i]].logprob
+        assert got == pytest.approx(expected[i - 1, tokens[i]].item(), abs=1e-4)
+
+
+def test_stop_string_split_across_tokens(default_llm):
+    greedy = SamplingParams(temperature=0.0, max_tokens=24)
+    full = default_llm.generate(PROMPT, greedy, use_tqdm=False)[0].outputs[0]
+    tokenizer = default_llm.get_tokenizer()
+    # Pick a stop string that straddles two generated tokens.
+    pieces = [tokenizer.decode(full.token_ids[: i + 1], skip_special_tokens=True)
+              for i in range(len(full.token_ids))]
+
+    def straddling(i):  # last character of token i-1's text + first of token i's
+        return pieces[i][len(pieces[i - 1]) - 1: len(pieces[i - 1]) + 1]
+
+    cut = next(i for i in range(2, len(pieces))
+               if len(pieces[i]) > len(pieces[i - 1]) > len(pieces[i - 2])
+               and full.text.index(straddling(i)) == len(pieces[i - 1]) - 1)
+    stop = straddling(cut)
+    start = len(pieces[cut - 1]) - 1
+    out = default_llm.generate(
+        PROMPT, SamplingParams(temperature=0.0, max_tokens=24, stop=[stop]), use_tqdm=False
+    )[0].outputs[0]
+    assert out.text == full.text[:start]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    kept = default_llm.generate(
+        PROMPT, SamplingParams(temperature=0.0, max_tokens=24, stop=[stop],
+                               include_stop_str_in_output=True), use_tqdm=False
+    )[0].outputs[0]
+    assert kept.text == full.text[: start + len(stop)]
+
+
+def test_streaming_deltas_add_up_to_the_text(default_llm):
+    engine = default_llm.engine
+    engine.add_request("stream-1", PROMPT, SamplingParams(temperature=0.0, max_tokens=16))
+    text, ids, final = "", [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            text += out.deltas[0][0]
+            ids += out.deltas[0][1]
+            final = out
+    assert final.finished and text == final.outputs[0].text and ids == final.outputs[0].token_ids
+
+
+def test_abort_frees_blocks(default_llm):
+    engine = default_llm.engine
+    engine.add_request("abort-me", PROMPT, SamplingParams(max_tokens=100, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.scheduler.block_manager.get_num_free_gpu_blocks() < \
+        engine.scheduler.block_manager.num_total_gpu_blocks
+    engine.abort_request("abort-me")
+    _no_leaks(default_llm)
+
+
+def test_bad_requests_get_clear_errors(default_llm):
+    engine = default_llm.engine
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        default_llm.generate([[]], SamplingParams())
+    with pytest.raises(ValueError, match=r"max_tokens \(9000\) plus the prompt"):
+        default_llm.generate("hi", SamplingParams(max_tokens=9000))
+    with pytest.raises(ValueError, match="out of range"):
+        default_llm.generate([[1, 2, 10**9]], SamplingParams())
+    too_many = engine.worker.num_gpu_blocks * engine.block_size
+    with pytest.raises(ValueError, match="tokens of KV cache"):
+        default_llm.generate("hi", SamplingParams(n=8, max_tokens=too_many // 8 + 64))
+    _no_leaks(default_llm)
+
+
+def test_chat_uses_the_chat_template(default_llm):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    out = default_llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=16),
+                           use_tqdm=False)[0]
+    assert "Paris" in out.outputs[0].text
+    template = default_llm.get_tokenizer().apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True)
+    assert out.prompt_token_ids == default_llm.get_tokenizer().encode(template)
