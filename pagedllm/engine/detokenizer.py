@@ -37,6 +37,18 @@ class Detokenizer:
         return new_text
 
 
+    def decode_all(self, seq: Sequence, skip_special_tokens: bool = True) -> str:
+        """The whole output text at once, with the same prompt context as decode_new."""
+        if self.tokenizer is None:
+            return ""
+        ids = seq.get_token_ids()
+        start = max(seq.get_prompt_len() - PREFIX_WINDOW, 0)
+        prefix = self.tokenizer.decode(ids[start: seq.get_prompt_len()],
+                                       skip_special_tokens=skip_special_tokens)
+        full = self.tokenizer.decode(ids[start:], skip_special_tokens=skip_special_tokens)
+        return full[len(prefix):]
+
+
 def find_stop_string(text: str, new_len: int, stops: list[str]) -> tuple[str, int] | None:
     """The first stop string that ends inside the newest `new_len` characters, and where it
     starts. A stop may begin in older text (split across tokens), so search a bit further back."""

@@ -68,6 +68,10 @@ class LLMEngine:
         self.eos_token_ids = set(self.worker.eos_token_ids)
         self.requests: dict[str, SequenceGroup] = {}
         self._seq_ids = itertools.count()
+        # Streaming (the server) wants text and an output every step; offline generation
+        # (LLM.generate) only wants finished requests, and text once at the end, which
+        # saves a detokenization per sequence per step.
+        self.stream_outputs = True
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -172,7 +176,8 @@ class LLMEngine:
                     self._append_prompt_logprobs(group, chunk_logprobs)
                 if scheduled.do_sample:
                     self._process_samples(scheduled, result.samples, now)
-                    outputs.append(self._make_output(group))
+                    if self.stream_outputs or group.is_finished():
+                        outputs.append(self._make_output(group))
         for group in out.ignored_seq_groups:
             self.requests.pop(group.request_id, None)
         self.scheduler.free_finished_seq_groups()
@@ -212,9 +217,13 @@ class LLMEngine:
                 top[t].rank = r
             top[sample.token_id] = Logprob(sample.logprob, sample.rank, self._decode_one(sample.token_id))
         seq.append_token(sample.token_id, sample.logprob, top)
-        new_text = self.detokenizer.decode_new(seq, params.skip_special_tokens)
+        new_text = ""
+        if self.stream_outputs or params.stop:
+            new_text = self.detokenizer.decode_new(seq, params.skip_special_tokens)
         self._check_stop(seq, params, len(new_text))
         if seq.is_finished():
+            if not (self.stream_outputs or params.stop):
+                seq.output_text = self.detokenizer.decode_all(seq, params.skip_special_tokens)
             self.scheduler.free_seq(seq)
 
     def _decode_one(self, token_id: int) -> str | None:

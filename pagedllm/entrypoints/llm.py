@@ -23,6 +23,7 @@ PromptType = str | list[int]
 class LLM:
     def __init__(self, model: str | None = None, **kwargs) -> None:
         self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        self.engine.stream_outputs = False  # generate() returns finished requests only
         self._ids = itertools.count()
 
     def get_tokenizer(self):
