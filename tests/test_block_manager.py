@@ -411,3 +411,46 @@ def test_free_unknown_sequence_is_a_no_op_and_tables_are_required():
         bm.append_slots(stranger, 1)
     with pytest.raises(ValueError, match="watermark must be in"):
         BlockSpaceManager(BS, 4, 0, watermark=1.5)
+
+
+# ---- the decode fast path --------------------------------------------------------------------
+
+
+def test_num_blocks_to_append_is_zero_exactly_when_append_slots_has_nothing_to_do():
+    bm = BlockSpaceManager(BS, 8, 0, enable_caching=False)
+    seq = admit(bm, [1, 2, 3])
+    live = bm.live_block_table(seq)
+    assert bm.num_blocks_to_append([seq]) == 0 and bm.append_slots(seq, 3) == []
+    compute_all(bm, seq)
+    seq.append_token(4)  # fits the first block
+    assert bm.num_blocks_to_append([seq]) == 0 and bm.append_slots(seq, 1) == []
+    assert len(live) == 1
+    compute_all(bm, seq)
+    seq.append_token(5)  # needs a second block
+    assert bm.num_blocks_to_append([seq]) == 1
+    assert bm.append_slots(seq, 1) == [] and len(live) == 2
+    assert bm.num_blocks_to_append([seq]) == 0
+    # Forked: both write the shared partial block; one copy, the last writer keeps it.
+    child = seq.fork(next(_ids))
+    bm.fork(seq, child)
+    assert bm.num_blocks_to_append([seq, child]) == 1
+    assert bm.num_blocks_to_append([child]) == 1  # alone it still may not write a shared block
+    (copy,) = bm.append_slots(seq, 1)
+    assert copy == (bm.get_block_table(child)[1], live[1])  # the live list follows the copy
+    assert live == bm.get_block_table(seq)
+    assert bm.num_blocks_to_append([seq, child]) == 0 and bm.append_slots(child, 1) == []
+    bm.check_invariants()
+
+
+def test_mark_blocks_computed_registers_each_block_once_as_it_fills():
+    bm = BlockSpaceManager(BS, 8, 0, enable_caching=True)
+    seq = admit(bm, [1, 2, 3])
+    for token in range(4, 12):
+        seq.num_computed_tokens += 1 if seq.num_computed_tokens else 3
+        bm.mark_blocks_computed(seq)
+        full = seq.num_computed_tokens // BS
+        assert len(bm.computed_hashes[seq.seq_id]) == full
+        assert len(bm.gpu_allocator.cached_blocks) == full
+        seq.append_token(token)
+        bm.append_slots(seq, 1)
+    bm.check_invariants()

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from pagedllm.entrypoints.cli import main
 from pagedllm.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
@@ -24,59 +25,73 @@ def pagedllm(*args: str, stdin: str | None = None, timeout: float = 300):
     )
 
 
-def assert_one_error_line(result, fragment: str) -> None:
-    assert result.returncode == 2, result.stderr
-    assert "Traceback" not in result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, result.stderr
-    assert fragment in errors[0]
+def run_main(capsys, *argv: str) -> tuple[int, str, str]:
+    """The same `main` the console script calls, in-process (cheap checks need no model)."""
+    try:
+        code = main(list(argv))
+    except SystemExit as exit_:  # argparse's --help
+        code = exit_.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
-def test_help():
-    top = pagedllm("--help")
-    assert top.returncode == 0
+def test_help(capsys):
+    code, out, _ = run_main(capsys, "--help")
+    assert code == 0
     for command in ("serve", "generate", "chat", "bench"):
-        assert command in top.stdout
-    gen = pagedllm("generate", "--help")
-    assert gen.returncode == 0
+        assert command in out
+    code, out, _ = run_main(capsys, "generate", "--help")
+    assert code == 0
     for option in ("--raw", "--max-tokens", "--temperature", "--model"):
-        assert option in gen.stdout
-    serve = pagedllm("serve", "--help")
-    assert serve.returncode == 0
+        assert option in out
+    code, out, _ = run_main(capsys, "serve", "--help")
+    assert code == 0
     for option in ("--host", "--port", "--api-key", "--max-model-len", "--block-size"):
-        assert option in serve.stdout
-    bench = pagedllm("bench", "serve", "--help")
-    assert bench.returncode == 0 and "--num-clients" in bench.stdout
+        assert option in out
+    code, out, _ = run_main(capsys, "bench", "serve", "--help")
+    assert code == 0 and "--num-clients" in out
 
 
-def test_bad_options_exit_2():
-    assert_one_error_line(pagedllm("serve", "--port", "eighty"), "--port")
-    assert_one_error_line(pagedllm("generate"), "prompt")
-    assert_one_error_line(pagedllm("generate", "hi", "--temperature", "-1"),
-                          "temperature must be non-negative")
-    assert_one_error_line(pagedllm("frobnicate"), "frobnicate")
-    assert_one_error_line(pagedllm("bench", "serve", "--num-clients", "0"),
-                          "--num-clients must be at least 1")
+@pytest.mark.parametrize("argv,fragment", [
+    (["serve", "--port", "eighty"], "--port"),
+    (["serve", "--port", "70000"], "--port must be in [0, 65535]"),
+    (["generate"], "prompt"),
+    (["generate", "hi", "--temperature", "-1"], "temperature must be non-negative"),
+    (["generate", "hi", "--dtype", "float8"], "--dtype"),
+    (["frobnicate"], "frobnicate"),
+    (["bench", "serve", "--num-clients", "0"], "--num-clients must be at least 1"),
+    (["bench", "serve", "--url", "http://127.0.0.1:9", "--bogus"], "--bogus"),
+    (["bench", "no-such-workload"], "unknown benchmark workload 'no-such-workload'"),
+])
+def test_bad_options_exit_2(capsys, argv, fragment):
+    code, out, err = run_main(capsys, *argv)
+    assert code == 2 and out == ""
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert fragment in err
 
 
-def test_missing_model_exits_2_without_traceback():
-    result = pagedllm("generate", "hi", "--model", "/nonexistent")
-    assert_one_error_line(result, "/nonexistent")
-    assert result.stdout == ""
-
-
-def test_port_in_use_exits_2():
+def test_port_in_use_exits_2(capsys):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = pagedllm("serve", "--port", str(port))
-    assert_one_error_line(result, f"cannot listen on 127.0.0.1:{port}")
+        code, _, err = run_main(capsys, "serve", "--port", str(port))
+    assert code == 2
+    assert err == f"error: cannot listen on 127.0.0.1:{port}: Address already in use\n"
+
+
+def test_missing_model_exits_2_without_traceback():
+    result = pagedllm("generate", "hi", "--model", "/nonexistent")
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and "/nonexistent" in errors[0]
 
 
 @pytest.mark.slow
 def test_generate_answers_with_chat_template():
-    result = pagedllm("generate", "What is the capital of France?", "--max-tokens", "32",
+    result = pagedllm("generate", "What is the capital of France?", "--max-tokens", "16",
                       *SMALL_ENGINE)
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
@@ -87,12 +102,12 @@ def test_generate_answers_with_chat_template():
 @pytest.mark.slow
 def test_chat_reads_stdin_and_keeps_history(default_llm):
     questions = ["My name is Alice.", "What is my name?"]
-    result = pagedllm("chat", "--max-tokens", "24", *SMALL_ENGINE,
+    result = pagedllm("chat", "--max-tokens", "12", *SMALL_ENGINE,
                       stdin="\n".join(questions) + "\n")
     assert result.returncode == 0, result.stderr
 
     # The same conversation, greedy, through the offline API.
-    params = SamplingParams(temperature=0, max_tokens=24)
+    params = SamplingParams(temperature=0, max_tokens=12)
     history, answers = [], []
     for question in questions:
         history.append({"role": "user", "content": question})

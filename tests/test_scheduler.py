@@ -299,3 +299,91 @@ def test_metrics_report_queues_and_cache_usage():
     assert s.gpu_cache_usage == pytest.approx(0.4)  # 2 x 2 prompt blocks
     step(s)
     assert s.gpu_cache_usage == pytest.approx(0.6)  # each grew into a third block
+
+
+# ---- the per-step fast path ------------------------------------------------------------------
+
+
+def test_block_tables_are_the_block_managers_live_lists():
+    s = make_scheduler()
+    group = add(s, [1, 2, 3], "a")
+    seq = group.get_seqs()[0]
+    table = step(s).block_tables[seq.seq_id]  # prompt in one block; len 4 after sampling
+    assert table == s.block_manager.get_block_table(seq) == [table[0]]
+    assert s.block_manager.get_block_table(seq) is not table  # get_block_table: a snapshot
+    assert step(s).block_tables[seq.seq_id] is table and len(table) == 1
+    out = step(s)  # the 5th token needs a second block: the same list grows
+    assert out.block_tables[seq.seq_id] is table and len(table) == 2
+    assert table == s.block_manager.get_block_table(seq)
+
+
+def test_copy_on_write_shows_in_the_steps_block_tables():
+    s = make_scheduler()
+    group = add(s, [1, 2, 3, 4, 5], "a", n=2)
+    step(s)  # len 6: the second block is partial
+    parent = group.get_seqs()[0]
+    child = parent.fork(next(_ids))
+    s.fork_seq(parent, child)
+    out = s.schedule()
+    parent_table, child_table = out.block_tables[parent.seq_id], out.block_tables[child.seq_id]
+    # The parent writes first, so it copies; the child, the last writer, keeps the original.
+    assert out.blocks_to_copy == [(child_table[1], parent_table[1])]
+    assert parent_table[0] == child_table[0] and parent_table[1] != child_table[1]
+    assert parent_table == s.block_manager.get_block_table(parent)
+    s.block_manager.check_invariants()
+
+
+def test_steady_decoding_builds_no_status_lists_and_counts_no_slots(monkeypatch):
+    s = make_scheduler(max_num_seqs=8)
+    for i in range(6):
+        add(s, [i, 1, 2], f"r{i}")
+    step(s)
+    calls = {"get_seqs": 0, "_seq_slots": 0}
+
+    def counting(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(SequenceGroup, "get_seqs", counting("get_seqs", SequenceGroup.get_seqs))
+    monkeypatch.setattr(Scheduler, "_seq_slots",
+                        staticmethod(counting("_seq_slots", Scheduler._seq_slots)))
+    out = s.schedule()
+    s.on_step_done(out)
+    s.free_finished_seq_groups()
+    assert len(out.scheduled_seq_groups) == 6
+    assert calls == {"get_seqs": 0, "_seq_slots": 0}
+    for scheduled in out.scheduled_seq_groups:
+        for seq in scheduled.seq_group.seqs_dict.values():
+            seq.append_token(1)
+    # With a request waiting, each running group is counted once (not once per queue).
+    add(s, [9], "w")
+    out = s.schedule()
+    assert len(out.scheduled_seq_groups) == 7
+    assert calls["_seq_slots"] == 6 + 1  # the 6 running groups and the admitted one
+
+
+def test_a_finished_fork_gives_its_slot_to_a_waiting_request():
+    s = make_scheduler(max_num_seqs=2)
+    group = add(s, [1, 2, 3], "a", n=2)  # reserves both slots
+    step(s)
+    add(s, [4, 5], "b")
+    parent = group.get_seqs()[0]
+    child = parent.fork(next(_ids))
+    s.fork_seq(parent, child)
+    assert set(chunks(step(s))) == {"a"}
+    child.status = SequenceStatus.FINISHED_STOPPED  # its blocks are still held
+    assert set(chunks(step(s))) == {"a", "b"}
+    assert s.num_waiting == 0
+
+
+def test_the_scheduler_benchmark_reports_a_decode_step():
+    from pagedllm.benchmarks.scheduler_bench import run_scheduler_bench
+
+    r = run_scheduler_bench(num_seqs=4, prompt_len=10, num_steps=6, block_size=4, num_waiting=2)
+    assert (r.num_seqs, r.num_steps, r.num_waiting) == (4, 6, 2)
+    assert 0 < r.p50_us <= r.p99_us <= r.max_us and r.schedule_mean_us <= r.mean_us
+    assert 0 < r.cpu_p50_us and 0 < r.cpu_mean_us
+    with pytest.raises(ValueError, match="num_waiting must be non-negative, got -1"):
+        run_scheduler_bench(num_seqs=1, num_waiting=-1)

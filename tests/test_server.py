@@ -45,7 +45,18 @@ class ServerProcess:
         )
         self.stdout_lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read_stdout, daemon=True).start()
-        self.url = self._wait_for_url(timeout)
+        self.timeout = timeout
+        self._url: str | None = None
+
+    def wait_ready(self) -> str:
+        """Wait for the server to print its URL (it boots in the background until then)."""
+        if self._url is None:
+            self._url = self._wait_for_url(self.timeout)
+        return self._url
+
+    @property
+    def url(self) -> str:
+        return self.wait_ready()
 
     def _read_stdout(self) -> None:
         assert self.proc.stdout is not None
@@ -87,8 +98,11 @@ class ServerProcess:
 @pytest.fixture(scope="module")
 def server():
     srv = ServerProcess(SERVER_ARGS)
-    yield srv
-    srv.close()
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.close()
     assert "Traceback" not in srv.read_stderr()
 
 
@@ -492,3 +506,17 @@ def test_sse_wire_format(server, model):
     assert events[-1] == "data: [DONE]"
     for event in events[:-1]:
         assert json.loads(event[6:])["object"] == "text_completion"
+
+
+def test_bench_serve_against_running_server(server, capsys):
+    from pagedllm.benchmarks import serve_bench
+
+    code = serve_bench.main(["--url", server.url, "--num-clients", "4", "--num-requests", "6",
+                             "--max-tokens", "3", "--json"])
+    summary = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert summary["requests"] == 6 and summary["failed"] == 0
+    assert summary["output_tokens"] == 18  # ignore_eos: exactly max_tokens each
+    assert summary["requests_per_s"] > 0 and summary["output_tokens_per_s"] > 0
+    assert 0 < summary["ttft_p50_ms"] <= summary["ttft_p99_ms"]
+    assert 0 < summary["itl_p50_ms"] <= summary["itl_p99_ms"]

@@ -17,8 +17,11 @@ KEY = "sk-test-0123456789"
 def server():
     srv = ServerProcess(["--api-key", KEY, "--model", "smollm2-135m", "--load-format", "dummy",
                          "--num-gpu-blocks-override", "32", "--swap-space", "0.01"])
-    yield srv
-    srv.close()
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.close()
     assert "Traceback" not in srv.read_stderr()
 
 

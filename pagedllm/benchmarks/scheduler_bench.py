@@ -27,6 +27,11 @@ class SchedulerBenchResult:
     p99_us: float
     max_us: float
     schedule_mean_us: float  # the schedule() part of mean_us
+    # CPU time of this thread per step: unlike the wall-clock numbers it leaves out the time
+    # other processes hold the core, so it is the steadier number on a busy machine.
+    cpu_mean_us: float
+    cpu_p50_us: float
+    num_waiting: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -69,12 +74,20 @@ def run_scheduler_bench(
     enable_prefix_caching: bool = True,
     max_num_batched_tokens: int = 8192,
     seed: int = 0,
+    num_waiting: int = 0,
 ) -> SchedulerBenchResult:
-    """Admit `num_seqs` random prompts, run their prefills (untimed), then time decode steps."""
+    """Admit `num_seqs` random prompts, run their prefills (untimed), then time decode steps.
+
+    `num_waiting` more requests queue behind the full batch (max_num_seqs = num_seqs) and are
+    never admitted: the steady state of a loaded server, where every step also looks at the
+    waiting queue.
+    """
     for name, value in (("num_seqs", num_seqs), ("prompt_len", prompt_len),
                         ("num_steps", num_steps)):
         if value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}")
+    if num_waiting < 0:
+        raise ValueError(f"num_waiting must be non-negative, got {num_waiting}")
     rng = random.Random(seed)
     # Prefill can take up to prompt_len steps (chunks), then num_steps decodes: room for all.
     max_len = prompt_len + num_steps + _cdiv(num_seqs * prompt_len, max_num_batched_tokens) + 2
@@ -87,7 +100,7 @@ def run_scheduler_bench(
         num_cpu_blocks=0,
     )
     params = SamplingParams(max_tokens=num_steps + 1, ignore_eos=True)
-    for i in range(num_seqs):
+    for i in range(num_seqs + num_waiting):
         prompt = [rng.randrange(10000) for _ in range(prompt_len)]
         scheduler.add_seq_group(SequenceGroup(f"bench-{i}", [Sequence(i, prompt, block_size)],
                                               params))
@@ -105,10 +118,13 @@ def run_scheduler_bench(
 
     step_us: list[float] = []
     schedule_us: list[float] = []
+    cpu_us: list[float] = []
     for step in range(num_steps):
+        cpu_start = time.thread_time_ns()
         start = time.perf_counter_ns()
         scheduled_ns = _step(scheduler, tokens, 7 * (warmup_steps + step))
         step_us.append((time.perf_counter_ns() - start) / 1000)
+        cpu_us.append((time.thread_time_ns() - cpu_start) / 1000)
         schedule_us.append(scheduled_ns / 1000)
     return SchedulerBenchResult(
         num_seqs=num_seqs,
@@ -119,4 +135,7 @@ def run_scheduler_bench(
         p99_us=percentile(step_us, 99),
         max_us=max(step_us),
         schedule_mean_us=statistics.fmean(schedule_us),
+        cpu_mean_us=statistics.fmean(cpu_us),
+        cpu_p50_us=percentile(cpu_us, 50),
+        num_waiting=num_waiting,
     )

@@ -89,7 +89,8 @@ async def run_clients(
 ) -> tuple[list[RequestResult], float]:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=num_clients + 1)
-    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600,
+                                 limits=limits) as client:
         models = await client.get("/v1/models")
         models.raise_for_status()
         model = models.json()["data"][0]["id"]
@@ -123,6 +124,7 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, float]
         "requests": len(results),
         "failed": len(results) - len(ok),
         "duration_s": duration,
+        "output_tokens": output_tokens,
         "requests_per_s": len(ok) / duration if duration else 0.0,
         "output_tokens_per_s": output_tokens / duration if duration else 0.0,
         "ttft_p50_ms": percentile(ttfts, 50) * 1000,

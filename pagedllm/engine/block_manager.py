@@ -5,6 +5,10 @@ the same tokens after a different prefix never match. A block becomes findable o
 K/V are computed (`mark_blocks_computed`); a new prompt then reuses its longest run of cached
 leading blocks, but never its last token, which must be computed to produce logits. Cached
 blocks are always full and never written again, so they are shared without copy-on-write.
+
+Per decode step the common case (the last block has room and is not shared, no block fills
+up) costs a few attribute checks: `num_blocks_to_append`, `append_slots` and
+`mark_blocks_computed` each test for it first and only then take the general path.
 """
 from __future__ import annotations
 
@@ -51,6 +55,9 @@ class BlockSpaceManager:
         self.gpu_allocator = BlockAllocator("gpu", block_size, num_gpu_blocks, enable_caching)
         self.cpu_allocator = BlockAllocator("cpu", block_size, num_cpu_blocks, False)
         self.block_tables: dict[int, BlockTable] = {}
+        # The same tables as block numbers, kept in step with `block_tables` so a step can hand
+        # them to the model runner without building new lists (see `live_block_table`).
+        self.block_number_tables: dict[int, list[int]] = {}
         # Chained hashes of each sequence's leading full blocks whose K/V are computed.
         self.computed_hashes: dict[int, list[int]] = {}
 
@@ -89,7 +96,7 @@ class BlockSpaceManager:
         num_blocks = _cdiv(seq.get_len(), self.block_size)
         while len(table) < num_blocks:
             table.append(self.gpu_allocator.allocate())
-        self.block_tables[seq.seq_id] = table
+        self._set_table(seq.seq_id, table)
         self.computed_hashes[seq.seq_id] = hits
         num_cached = len(hits) * self.block_size
         seq.num_computed_tokens = num_cached
@@ -131,10 +138,13 @@ class BlockSpaceManager:
         """Register every full block of `seq` that now lies inside its computed tokens."""
         if not self.enable_caching:
             return
-        table = self.block_tables.get(seq.seq_id)
-        if table is None or not table or table[0].device != "gpu":
+        hashes = self.computed_hashes.get(seq.seq_id)
+        # Fast path: no block became full since the last call (most decode steps).
+        if hashes is None or seq.num_computed_tokens // self.block_size <= len(hashes):
             return
-        hashes = self.computed_hashes[seq.seq_id]
+        table = self.block_tables[seq.seq_id]
+        if not table or table[0].device != "gpu":
+            return
         num_full = min(seq.num_computed_tokens // self.block_size, len(table))
         for i in range(len(hashes), num_full):
             h = hash_block_tokens(hashes[-1] if hashes else None, self._block_tokens(seq, i))
@@ -157,20 +167,41 @@ class BlockSpaceManager:
 
     def can_append_slots(self, seq_group: SequenceGroup) -> bool:
         seqs = seq_group.get_seqs(SequenceStatus.RUNNING)
-        return self._num_blocks_to_append(seqs) <= self.gpu_allocator.get_num_free_blocks()
+        return self.num_blocks_to_append(seqs) <= self.gpu_allocator.get_num_free_blocks()
 
-    def _num_blocks_to_append(self, seqs: list[Sequence]) -> int:
-        """New blocks `append_slots` takes for these sequences: growth plus copy-on-write."""
+    def _owns_its_write_range(self, seq: Sequence, table: BlockTable) -> bool:
+        """The common decode case: the table covers every token and the only block left to
+        write (the last one) is not shared, so `append_slots` has nothing to do."""
+        n = len(table)
+        bs = self.block_size
+        return (
+            table[-1].ref_count == 1
+            and n * bs >= seq.get_len()
+            and seq.num_computed_tokens >= (n - 1) * bs
+        )
+
+    def num_blocks_to_append(self, seqs: list[Sequence]) -> int:
+        """New blocks `append_slots` takes for these sequences (one group's running ones):
+        growth plus copy-on-write. 0 also means `append_slots` has nothing to do for any of
+        them (no growth, no shared block to write), so a caller may skip it."""
         needed = 0
-        writers: Counter[int] = Counter()  # id(block) -> sequences that will write into it
+        # id(block) -> sequences that will write into it; built only once a shared block
+        # shows up (forks), as it costs more than the rest of a decode step's check.
+        writers: Counter[int] | None = None
         shared: dict[int, PhysicalTokenBlock] = {}
         for seq in seqs:
             table = self.block_tables[seq.seq_id]
+            if table and self._owns_its_write_range(seq, table):
+                continue
             needed += max(0, _cdiv(seq.get_len(), self.block_size) - len(table))
             for block in self._write_range(seq, table):
                 if block.ref_count > 1:
+                    if writers is None:
+                        writers = Counter()
                     writers[id(block)] += 1
                     shared[id(block)] = block
+        if writers is None:
+            return needed
         for key, n in writers.items():
             # Each writer copies, except the last one when nobody else holds the block.
             needed += n - 1 if shared[key].ref_count == n else n
@@ -191,8 +222,13 @@ class BlockSpaceManager:
                 f"{seq.num_computed_tokens} computed exceed its {seq.get_len()} tokens"
             )
         table = self._gpu_table(seq)
+        if table and self._owns_its_write_range(seq, table):
+            return []
+        numbers = self.block_number_tables[seq.seq_id]
         while len(table) < _cdiv(seq.get_len(), self.block_size):
-            table.append(self.gpu_allocator.allocate())
+            block = self.gpu_allocator.allocate()
+            table.append(block)
+            numbers.append(block.block_number)
         copies: list[tuple[int, int]] = []
         first = seq.num_computed_tokens // self.block_size
         for i in range(first, len(table)):
@@ -204,6 +240,7 @@ class BlockSpaceManager:
             copies.append((old.block_number, new.block_number))
             self.gpu_allocator.free(old)
             table[i] = new
+            numbers[i] = new.block_number
         return copies
 
     def fork(self, parent_seq: Sequence, child_seq: Sequence) -> None:
@@ -213,7 +250,7 @@ class BlockSpaceManager:
             raise ValueError(f"sequence {child_seq.seq_id} already has a block table")
         for block in table:
             block.ref_count += 1
-        self.block_tables[child_seq.seq_id] = list(table)
+        self._set_table(child_seq.seq_id, list(table))
         self.computed_hashes[child_seq.seq_id] = list(self.computed_hashes[parent_seq.seq_id])
 
     def _gpu_table(self, seq: Sequence) -> BlockTable:
@@ -229,6 +266,7 @@ class BlockSpaceManager:
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references; a no-op for a sequence without blocks."""
         table = self.block_tables.pop(seq.seq_id, None)
+        self.block_number_tables.pop(seq.seq_id, None)
         self.computed_hashes.pop(seq.seq_id, None)
         if table is None:
             return
@@ -253,7 +291,7 @@ class BlockSpaceManager:
         seqs = seq_group.get_seqs(SequenceStatus.SWAPPED)
         # Blocks to bring back plus what the next step's append_slots takes (at most one
         # block per sequence: either growth or a copy-on-write).
-        num_required = len(self._unique_blocks(seqs)) + self._num_blocks_to_append(seqs)
+        num_required = len(self._unique_blocks(seqs)) + self.num_blocks_to_append(seqs)
         if num_required > self.num_total_gpu_blocks:
             return AllocStatus.NEVER
         return AllocStatus.OK if self._fits(num_required) else AllocStatus.LATER
@@ -289,7 +327,7 @@ class BlockSpaceManager:
                 new_table.append(new)
             for block in reversed(table):
                 self._allocator(block).free(block)
-            self.block_tables[seq.seq_id] = new_table
+            self._set_table(seq.seq_id, new_table)
         return copies
 
     def _new_home(
@@ -304,10 +342,21 @@ class BlockSpaceManager:
             return dst.allocate(block_hash, (i + 1) * self.block_size), True
         return dst.allocate(), True
 
+    def _set_table(self, seq_id: int, table: BlockTable) -> None:
+        self.block_tables[seq_id] = table
+        self.block_number_tables[seq_id] = [b.block_number for b in table]
+
     # ---- queries ---------------------------------------------------------------------------
 
     def get_block_table(self, seq: Sequence) -> list[int]:
-        return [b.block_number for b in self.block_tables[seq.seq_id]]
+        """A snapshot of the sequence's block numbers."""
+        return list(self.block_number_tables[seq.seq_id])
+
+    def live_block_table(self, seq: Sequence) -> list[int]:
+        """The block numbers of the sequence, as the live list this manager keeps updating:
+        it grows with `append_slots` and changes on copy-on-write. Read it, never write it;
+        it is stale once the sequence is swapped or freed (those give it a new list)."""
+        return self.block_number_tables[seq.seq_id]
 
     def get_num_free_gpu_blocks(self) -> int:
         return self.gpu_allocator.get_num_free_blocks()
@@ -362,6 +411,10 @@ class BlockSpaceManager:
                     assert allocator.cached_blocks.get(b.block_hash) is b, f"{b} not indexed"
             for h, b in allocator.cached_blocks.items():
                 assert b.block_hash == h, f"hash index {h} points at {b}"
+        assert self.block_number_tables.keys() == self.block_tables.keys()
+        for seq_id, table in self.block_tables.items():
+            numbers = [b.block_number for b in table]
+            assert self.block_number_tables[seq_id] == numbers, f"seq {seq_id}: stale numbers"
         for seq_id, hashes in self.computed_hashes.items():
             assert seq_id in self.block_tables, f"hashes kept for freed sequence {seq_id}"
             assert len(hashes) <= len(self.block_tables[seq_id])

@@ -88,8 +88,10 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_text, ids = self._tokenize(prompt)
+        # Without max_tokens a request may run to the end of the context, but it only has to
+        # fit the cache with its prompt and first token to be admissible.
+        self._check_fits_cache(ids, params, params.max_tokens or 1)
         params = self._resolve_max_tokens(params, len(ids))
-        self._check_fits_cache(ids, params)
         seq = Sequence(next(self._seq_ids), ids, self.block_size)
         self.detokenizer.start(seq)
         if params.seed is not None:
@@ -133,15 +135,15 @@ class LLMEngine:
             )
         return params
 
-    def _check_fits_cache(self, ids: list[int], params: SamplingParams) -> None:
+    def _check_fits_cache(self, ids: list[int], params: SamplingParams, max_tokens: int) -> None:
         bs = self.block_size
         samples = max(params.n, params.best_of or params.n)
-        need = math.ceil(len(ids) / bs) + samples * (math.ceil(params.max_tokens / bs) + 1)
+        need = math.ceil(len(ids) / bs) + samples * (math.ceil(max_tokens / bs) + 1)
         have = self.worker.num_gpu_blocks
         if need > have:
             raise ValueError(
                 f"the request needs up to {need * bs} tokens of KV cache "
-                f"({len(ids)} prompt + {params.max_tokens} max_tokens x {samples} samples) but "
+                f"({len(ids)} prompt + {max_tokens} max_tokens x {samples} samples) but "
                 f"the cache holds only {have * bs} tokens; lower max_tokens or give the cache "
                 f"more memory"
             )

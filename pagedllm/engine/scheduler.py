@@ -8,6 +8,11 @@ swapped groups; then waiting groups, both only when nothing was preempted this s
 The cache engine must apply `blocks_to_swap_out`, then `blocks_to_swap_in`, then
 `blocks_to_copy`, all before the step's forward: a block freed by a swap-out may be handed
 to another sequence in the same step.
+
+With hundreds of decoding sequences this loop is on the critical path between two forwards,
+so a step visits each running group once, reads `seqs_dict` directly instead of building
+status-filtered lists, counts running sequences only when a queue could admit more, and
+hands out the block manager's live block-number lists instead of copies.
 """
 from __future__ import annotations
 
@@ -20,8 +25,11 @@ from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.engine.block_manager import AllocStatus, BlockSpaceManager
 from pagedllm.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
+RUNNING = SequenceStatus.RUNNING
+FINISHED_STATUSES = frozenset(s for s in SequenceStatus if s.is_finished)
 
-@dataclass
+
+@dataclass(slots=True)
 class ScheduledSequenceGroup:
     seq_group: SequenceGroup
     # New tokens for EACH running sequence of the group this step.
@@ -37,7 +45,11 @@ class SchedulerOutput:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) on gpu
-    block_tables: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> blocks
+    # seq_id -> block numbers of every scheduled running sequence. These are the block
+    # manager's live lists, not copies: they are exact from the end of schedule() until the
+    # next schedule() (or swap, abort, free) changes them. Read them during the step; copy
+    # anything that must outlive it; never write them.
+    block_tables: dict[int, list[int]] = field(default_factory=dict)
     # Finished with FINISHED_IGNORED this step: they can never fit in the KV cache.
     ignored_seq_groups: list[SequenceGroup] = field(default_factory=list)
     num_preempted: int = 0
@@ -143,14 +155,21 @@ class Scheduler:
     def free_finished_seq_groups(self) -> list[SequenceGroup]:
         """Free the blocks of finished sequences; drop and return finished groups."""
         finished = []
+        free = self.block_manager.free
         for group in self.running:
-            for seq in group.get_seqs():
-                if seq.is_finished():
-                    self.block_manager.free(seq)
-            if group.is_finished():
+            group_finished = True
+            for seq in group.seqs_dict.values():
+                status = seq.status
+                # `is not RUNNING` first: hashing an Enum member runs Python code.
+                if status is not RUNNING and status in FINISHED_STATUSES:
+                    free(seq)
+                else:
+                    group_finished = False
+            if group_finished:
                 finished.append(group)
         if finished:
-            self.running = deque(g for g in self.running if not g.is_finished())
+            finished_ids = {id(g) for g in finished}
+            self.running = deque(g for g in self.running if id(g) not in finished_ids)
             for group in finished:
                 self._forget(group)
         return finished
@@ -164,41 +183,70 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        self._schedule_running(out)
-        if out.num_preempted == 0:
-            self._schedule_swapped(out)
-        if out.num_preempted == 0 and not self.swapped:
-            self._schedule_waiting(out)
-        for scheduled in out.scheduled_seq_groups:
-            for seq in scheduled.seq_group.get_seqs(SequenceStatus.RUNNING):
-                out.block_tables[seq.seq_id] = self.block_manager.get_block_table(seq)
+        # Swapped and waiting groups only need the running-sequence count; with both queues
+        # empty (steady decoding) it is never computed. Preemption only adds to them in
+        # steps that then admit nothing, so this test is exact.
+        count_slots = bool(self.swapped or self.waiting)
+        num_seqs = self._schedule_running(out, count_slots)
+        if out.num_preempted == 0 and self.swapped:
+            num_seqs = self._schedule_swapped(out, num_seqs)
+        if out.num_preempted == 0 and not self.swapped and self.waiting:
+            self._schedule_waiting(out, num_seqs)
         return out
 
     def on_step_done(self, out: SchedulerOutput) -> None:
         """The model ran `out`: its chunks now have K/V in the cache."""
+        mark_blocks_computed = self.block_manager.mark_blocks_computed
         for scheduled in out.scheduled_seq_groups:
-            for seq in scheduled.seq_group.get_seqs(SequenceStatus.RUNNING):
-                seq.num_computed_tokens += scheduled.token_chunk_size
-                self.block_manager.mark_blocks_computed(seq)
+            chunk = scheduled.token_chunk_size
+            for seq in scheduled.seq_group.seqs_dict.values():
+                if seq.status is RUNNING:
+                    seq.num_computed_tokens += chunk
+                    mark_blocks_computed(seq)
 
     def _budget_left(self, out: SchedulerOutput) -> int:
         return self.scheduler_config.max_num_batched_tokens - out.num_batched_tokens
 
     def _chunk_size(self, seqs: list[Sequence], budget: int) -> int:
         """Tokens per sequence this step (0: does not fit the budget now)."""
-        remaining = seqs[0].num_uncomputed_tokens
-        if any(s.num_uncomputed_tokens != remaining for s in seqs):
-            raise RuntimeError(f"sequences {[s.seq_id for s in seqs]} of one group are out of step")
-        chunk = min(remaining, budget // len(seqs))
-        if chunk < remaining and not self.scheduler_config.enable_chunked_prefill:
+        # Hot path (every running group, every step): no min()/max() calls, one get_len().
+        first = seqs[0]
+        remaining = first.get_len() - first.num_computed_tokens
+        num_seqs = len(seqs)
+        if num_seqs == 1:
+            if remaining <= budget:
+                return remaining
+            chunk = budget
+        else:
+            if any(s.num_uncomputed_tokens != remaining for s in seqs):
+                raise RuntimeError(
+                    f"sequences {[s.seq_id for s in seqs]} of one group are out of step"
+                )
+            chunk = budget // num_seqs
+            if chunk >= remaining:
+                return remaining
+        if not self.scheduler_config.enable_chunked_prefill or chunk < 0:
             return 0
-        return max(chunk, 0)
+        return chunk
 
     def _add_scheduled(
-        self, out: SchedulerOutput, group: SequenceGroup, seqs: list[Sequence], chunk: int
+        self,
+        out: SchedulerOutput,
+        group: SequenceGroup,
+        seqs: list[Sequence],
+        chunk: int,
+        append_slots: bool = True,
     ) -> None:
+        """Schedule `chunk` tokens of each of `seqs`; `append_slots=False` when the block
+        manager said they need no new block (then appending would do nothing)."""
+        bm = self.block_manager
+        tables = out.block_tables
         for seq in seqs:
-            out.blocks_to_copy += self.block_manager.append_slots(seq, chunk)
+            if append_slots:
+                copies = bm.append_slots(seq, chunk)
+                if copies:
+                    out.blocks_to_copy += copies
+            tables[seq.seq_id] = bm.block_number_tables[seq.seq_id]  # the live list
         do_sample = seqs[0].num_computed_tokens + chunk == seqs[0].get_len()
         out.scheduled_seq_groups.append(ScheduledSequenceGroup(group, chunk, do_sample))
         out.num_batched_tokens += chunk * len(seqs)
@@ -208,40 +256,59 @@ class Scheduler:
     @staticmethod
     def _seq_slots(group: SequenceGroup) -> int:
         """Sequences the group runs once forked: a best_of request reserves all its samples."""
-        num_finished = sum(s.is_finished() for s in group.get_seqs())
-        num_active = group.num_seqs() - num_finished
-        return max(group.max_num_samples - num_finished, num_active)
+        num_finished = 0
+        for seq in group.seqs_dict.values():
+            if seq.status is not RUNNING and seq.status in FINISHED_STATUSES:
+                num_finished += 1
+        num_active = len(group.seqs_dict) - num_finished
+        reserved = group.max_num_samples - num_finished
+        return reserved if reserved > num_active else num_active
 
-    def _num_running_seqs(self) -> int:
-        return sum(self._seq_slots(g) for g in self.running)
-
-    def _schedule_running(self, out: SchedulerOutput) -> None:
+    def _schedule_running(self, out: SchedulerOutput, count_slots: bool) -> int:
+        """Schedule the running groups. With `count_slots`, returns the sum of `_seq_slots`
+        over the groups left running, counted as each is kept (else 0)."""
         kept: deque[SequenceGroup] = deque()
-        while self.running:
-            group = self.running.popleft()
-            seqs = group.get_seqs(SequenceStatus.RUNNING)
-            chunk = self._chunk_size(seqs, self._budget_left(out)) if seqs else 0
-            if chunk == 0:
-                kept.append(group)
-                continue
-            while not self.block_manager.can_append_slots(group):
-                if self.running:
-                    self._preempt(self.running.pop(), out)
-                    continue
-                if not kept:
-                    # Alone on the device and still short of blocks: it can never run.
-                    self._ignore(group, out)
-                else:
-                    self._preempt(group, out)
-                break
-            else:
-                self._add_scheduled(out, group, seqs, chunk)
-                kept.append(group)
+        num_slots = 0
+        max_tokens = self.scheduler_config.max_num_batched_tokens
+        num_blocks_to_append = self.block_manager.num_blocks_to_append
+        running = self.running
+        while running:
+            group = running.popleft()
+            seqs = list(group.seqs_dict.values())
+            if len(seqs) > 1 or seqs and seqs[0].status is not RUNNING:
+                seqs = [s for s in seqs if s.status is RUNNING]
+            chunk = self._chunk_size(seqs, max_tokens - out.num_batched_tokens) if seqs else 0
+            if chunk:
+                needed = num_blocks_to_append(seqs)
+                if needed and not self._make_room(group, seqs, bool(kept), out):
+                    continue  # `group` itself was preempted or ignored
+                self._add_scheduled(out, group, seqs, chunk, append_slots=needed > 0)
+            kept.append(group)
+            if count_slots:
+                num_slots += self._seq_slots(group)
         self.running = kept
+        return num_slots
 
-    def _schedule_swapped(self, out: SchedulerOutput) -> None:
+    def _make_room(
+        self, group: SequenceGroup, seqs: list[Sequence], others_kept: bool, out: SchedulerOutput
+    ) -> bool:
+        """Preempt the newest running groups until `seqs` can grow; False when `group` itself
+        had to go instead (preempted, or ignored when it is alone and still does not fit)."""
+        bm = self.block_manager
+        while bm.num_blocks_to_append(seqs) > bm.get_num_free_gpu_blocks():
+            if self.running:
+                self._preempt(self.running.pop(), out)
+                continue
+            if others_kept:
+                self._preempt(group, out)
+            else:
+                self._ignore(group, out)
+            return False
+        return True
+
+    def _schedule_swapped(self, out: SchedulerOutput, num_seqs: int) -> int:
+        """Swap groups back in while they fit; returns the running sequence slots after."""
         max_seqs = self.scheduler_config.max_num_seqs
-        num_seqs = self._num_running_seqs()
         while self.swapped:
             group = self.swapped[0]
             status = self.block_manager.can_swap_in(group)
@@ -263,11 +330,11 @@ class Scheduler:
             self.running.append(group)
             num_seqs += slots
             self._add_scheduled(out, group, seqs, chunk)
+        return num_seqs
 
-    def _schedule_waiting(self, out: SchedulerOutput) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, num_seqs: int) -> None:
         max_seqs = self.scheduler_config.max_num_seqs
         max_len = self.scheduler_config.max_model_len
-        num_seqs = self._num_running_seqs()
         while self.waiting:
             group = self.waiting[0]
             seq = group.get_seqs(SequenceStatus.WAITING)[0]

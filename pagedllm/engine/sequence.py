@@ -160,8 +160,10 @@ class SequenceGroup:
         return next(iter(self.seqs_dict.values())).prompt_token_ids
 
     def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
-        seqs = list(self.seqs_dict.values())
-        return seqs if status is None else [s for s in seqs if s.status == status]
+        # Called per group per step by the scheduler's callers: one pass, no extra list.
+        if status is None:
+            return list(self.seqs_dict.values())
+        return [s for s in self.seqs_dict.values() if s.status is status]
 
     def get_unfinished_seqs(self) -> list[Sequence]:
         return [s for s in self.seqs_dict.values() if not s.is_finished()]

@@ -5,7 +5,6 @@ Bad options and models that fail to load print one line `error: <message>` and e
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
 import shlex
@@ -281,14 +280,14 @@ def run_bench(workload: str, argv: list[str]) -> int:
         from pagedllm.benchmarks import serve_bench
 
         return serve_bench.main(argv)
-    try:
-        workloads = importlib.import_module("pagedllm.benchmarks.workloads")
-    except ModuleNotFoundError as exc:
-        if exc.name != "pagedllm.benchmarks.workloads":
-            raise
-        raise UsageError(f"unknown benchmark workload {workload!r}; try `serve`") from None
-    return workloads.main([workload, *argv]) or 0
+    from pagedllm.benchmarks import workloads  # imported here: it pulls in the peers
+
+    return workloads.main([workload, *argv])
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the imported module, not __main__, so its classes (UsageError) are the ones the
+    # subcommand modules import.
+    from pagedllm.entrypoints.cli import main as cli_main
+
+    sys.exit(cli_main())

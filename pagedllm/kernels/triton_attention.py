@@ -28,6 +28,8 @@ import triton.language as tl
 from pagedllm.layers.metadata import PagedAttentionInputMetadata
 
 LOG2E = 1.4426950408889634
+# Compiled kernels may read only constexpr globals (the interpreter does not enforce this).
+_LOG2E_K = tl.constexpr(LOG2E)
 
 # Launch configuration: keys per inner step, query rows per prefill tile, warps, pipeline
 # stages. Module constants so scripts/gpu_kernel_bench.py --tune and the tests can change them.
@@ -129,7 +131,7 @@ def _paged_decode_kernel(
 
     slopes = tl.zeros([GROUP_PAD], tl.float32)
     if USE_ALIBI:
-        slopes = tl.load(alibi_ptr + heads, mask=row_valid, other=0.0) * LOG2E
+        slopes = tl.load(alibi_ptr + heads, mask=row_valid, other=0.0) * _LOG2E_K
 
     m_i = tl.full([GROUP_PAD], -1e30, tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -235,7 +237,7 @@ def _paged_prefill_kernel(
 
     slopes = tl.zeros([BLOCK_M], tl.float32)
     if USE_ALIBI:
-        slopes = tl.load(alibi_ptr + heads, mask=row_valid, other=0.0) * LOG2E
+        slopes = tl.load(alibi_ptr + heads, mask=row_valid, other=0.0) * _LOG2E_K
 
     m_i = tl.full([BLOCK_M], -1e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)

@@ -1,6 +1,8 @@
 """PagedAttention: write this step's K/V into the paged cache, then attend over it.
 
-CUDA tensors go to the Triton kernels; everything else to the pure-torch reference.
+CUDA tensors go to the Triton kernels; everything else to the pure-torch reference. Neither
+reads device values on the host, so a decode step can be captured in a CUDA graph (the split
+count then comes fixed from the metadata).
 """
 from __future__ import annotations
 
@@ -9,6 +11,12 @@ from torch import nn
 
 from pagedllm.kernels import reference
 from pagedllm.layers.metadata import PagedAttentionInputMetadata
+
+
+def use_triton(q: torch.Tensor) -> bool:
+    """The Triton kernels for CUDA tensors (tests also route CPU tensors to them when Triton
+    runs in its interpreter)."""
+    return q.is_cuda
 
 
 def _triton_ops():
@@ -55,10 +63,13 @@ class PagedAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if q.is_cuda:
+        alibi = self.alibi_slopes(q.device)
+        if use_triton(q):
             write, attend = _triton_ops()
+            write(k, v, kv_cache, meta.slot_mapping)
+            out = attend(q, kv_cache, meta, self.scale, self.sliding_window, alibi,
+                         num_splits=meta.num_splits)
         else:
-            write, attend = reference.write_kv_cache, reference.paged_attention
-        write(k, v, kv_cache, meta.slot_mapping)
-        out = attend(q, kv_cache, meta, self.scale, self.sliding_window, self.alibi_slopes(q.device))
+            reference.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+            out = reference.paged_attention(q, kv_cache, meta, self.scale, self.sliding_window, alibi)
         return out.reshape(-1, self.num_heads * self.head_dim)

@@ -30,6 +30,9 @@ class PagedAttentionInputMetadata:
     # Host copies of the small per-sequence lists, so the CPU path never syncs.
     query_lens_host: list[int]
     seq_lens_host: list[int]
+    # Decode only: a fixed split count for the split-KV kernel. CUDA-graph replay sets it so
+    # the launch grid never depends on this step's lengths; None lets the kernel choose.
+    num_splits: int | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -45,16 +45,31 @@ class RotaryEmbedding(nn.Module):
         # to each device that holds layers (not per layer, not as module buffers).
         self._tables = {torch.device("cpu"): (freqs.cos().repeat(1, 2), freqs.sin().repeat(1, 2))}
 
+        self._cos_sin: dict[torch.device, torch.Tensor] = {}
+
     def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if device not in self._tables:
             cos, sin = self._tables[torch.device("cpu")]
             self._tables[device] = (cos.to(device), sin.to(device))
         return self._tables[device]
 
+    def cos_sin_cache(self, device: torch.device) -> torch.Tensor:
+        """[max_position, head_dim]: cos | sin of the half-dim frequencies (the Triton layout)."""
+        if device not in self._cos_sin:
+            cos, sin = self._tables[torch.device("cpu")]
+            half = cos.shape[-1] // 2
+            self._cos_sin[device] = torch.cat((cos[:, :half], sin[:, :half]), dim=-1).to(device)
+        return self._cos_sin[device]
+
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]."""
+        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]. On CUDA, rotated in place."""
+        if q.is_cuda and q.stride(-1) == 1 and k.stride(-1) == 1:
+            from pagedllm.kernels.triton_ops import triton_rotary_embedding
+
+            triton_rotary_embedding(positions, q, k, self.cos_sin_cache(q.device))
+            return q, k
         cos, sin = self.tables(positions.device)
         cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

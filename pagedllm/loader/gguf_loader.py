@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -50,8 +51,29 @@ def gguf_model_name(path: str) -> str:
     return _QUANT_SUFFIX.sub("", Path(path).stem) or Path(path).stem
 
 
+def file_key(path: str) -> tuple[str, int, int]:
+    """Identifies a file's current contents cheaply, for in-process caches."""
+    st = os.stat(path)
+    return os.path.realpath(path), st.st_mtime_ns, st.st_size
+
+
 def open_gguf(path: str) -> gguf.GGUFReader:
-    """Read the header and tensor index, turning every low-level failure into one line."""
+    """Read the header and tensor index, turning every low-level failure into one line.
+
+    Parsing the metadata takes seconds (tens of thousands of vocabulary strings), so a
+    process that builds several engines from one file parses it once.
+    """
+    key = file_key(path)
+    if key not in _READERS:
+        _READERS.clear()  # keep at most one file mapped
+        _READERS[key] = _open_gguf(path)
+    return _READERS[key]
+
+
+_READERS: dict[tuple[str, int, int], gguf.GGUFReader] = {}
+
+
+def _open_gguf(path: str) -> gguf.GGUFReader:
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":

@@ -6,9 +6,12 @@ from typing import TYPE_CHECKING
 
 from pagedllm.loader import hub
 from pagedllm.loader.errors import ModelLoadError, first_line
+from pagedllm.loader.gguf_loader import file_key
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+_GGUF_TOKENIZERS: dict[tuple[str, int, int], PreTrainedTokenizerBase] = {}
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -38,8 +41,12 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
         if p.is_file():
             if p.suffix != ".gguf":
                 raise ModelLoadError(path, "a tokenizer is a directory, a .gguf file or a hub id")
-            # transformers converts the GGUF's vocabulary, merges and chat template.
-            return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+            # transformers converts the GGUF's vocabulary, merges and chat template; that
+            # re-reads the file (seconds), so do it once per file and process.
+            key = file_key(str(p))
+            if key not in _GGUF_TOKENIZERS:
+                _GGUF_TOKENIZERS[key] = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+            return _GGUF_TOKENIZERS[key]
         return AutoTokenizer.from_pretrained(str(p))
     except ModelLoadError:
         raise

@@ -15,8 +15,11 @@ from pagedllm.config import ModelConfig
 from pagedllm.kernels.reference import alibi_slopes
 from pagedllm.layers.attention import PagedAttention
 from pagedllm.layers.metadata import PagedAttentionInputMetadata
+from pagedllm.worker.device_map import DeviceMap
 
-MetadataByDevice = dict[torch.device, PagedAttentionInputMetadata]
+MetadataByGroup = (
+    list[PagedAttentionInputMetadata] | dict[torch.device, PagedAttentionInputMetadata]
+)
 
 
 class BloomEmbedding(nn.Embedding):
@@ -114,18 +117,25 @@ class BloomForCausalLM(nn.Module):
     def layer_device(self, i: int) -> torch.device:
         return self.layers[i].input_layernorm.weight.device
 
+    # Set by the Worker; None: one group per run of layers whose weights share a device.
+    device_map: DeviceMap | None = None
+
     def forward(
         self,
         input_ids: torch.Tensor,
         kv_caches: list[torch.Tensor],
-        metadata: MetadataByDevice,
+        metadata: MetadataByGroup,
     ) -> torch.Tensor:
+        """metadata: one per device group (DeviceMap.distribute), or keyed by device."""
+        device_map = self.device_map or DeviceMap.from_layer_devices(
+            [self.layer_device(i) for i in range(len(self.layers))]
+        )
         hidden = self.embed_tokens(input_ids)
-        for i, layer in enumerate(self.layers):
-            device = self.layer_device(i)
-            if hidden.device != device:  # a device boundary of the layer map
-                hidden = hidden.to(device)
-            hidden = layer(hidden, kv_caches[i], metadata[device])
+        for group, meta in zip(device_map.groups, device_map.distribute(metadata)):
+            if group.index > 0:  # a boundary of the map: the only place hidden states move
+                hidden = device_map.transfer(hidden, group)
+            for i in group.layers:
+                hidden = self.layers[i](hidden, kv_caches[i], meta)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -13,12 +13,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.config import ModelConfig
+from pagedllm.layers.activation import silu_and_mul
 from pagedllm.layers.attention import PagedAttention
 from pagedllm.layers.metadata import PagedAttentionInputMetadata
 from pagedllm.layers.norms import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
+from pagedllm.worker.device_map import DeviceMap
 
-MetadataByDevice = dict[torch.device, PagedAttentionInputMetadata]
+MetadataByGroup = (
+    list[PagedAttentionInputMetadata] | dict[torch.device, PagedAttentionInputMetadata]
+)
 
 
 class LlamaAttention(nn.Module):
@@ -68,8 +72,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -128,20 +131,26 @@ class LlamaForCausalLM(nn.Module):
     def layer_device(self, i: int) -> torch.device:
         return self.layers[i].input_layernorm.weight.device
 
+    # Set by the Worker; None: one group per run of layers whose weights share a device.
+    device_map: DeviceMap | None = None
+
     def forward(
         self,
         input_ids: torch.Tensor,
         kv_caches: list[torch.Tensor],
-        metadata: MetadataByDevice,
+        metadata: MetadataByGroup,
     ) -> torch.Tensor:
+        """metadata: one per device group (DeviceMap.distribute), or keyed by device."""
+        device_map = self.device_map or DeviceMap.from_layer_devices(
+            [self.layer_device(i) for i in range(len(self.layers))]
+        )
         hidden = self.embed_tokens(input_ids)
         residual = None
-        for i, layer in enumerate(self.layers):
-            device = self.layer_device(i)
-            if hidden.device != device:  # a device boundary of the layer map
-                hidden = hidden.to(device)
-                residual = residual.to(device) if residual is not None else None
-            hidden, residual = layer(hidden, residual, kv_caches[i], metadata[device])
+        for group, meta in zip(device_map.groups, device_map.distribute(metadata)):
+            if group.index > 0:  # a boundary of the map: the only place hidden states move
+                hidden, residual = device_map.transfer((hidden, residual), group)
+            for i in group.layers:
+                hidden, residual = self.layers[i](hidden, residual, kv_caches[i], meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -1,5 +1,9 @@
-"""CacheEngine: the paged KV tensors of every layer, on that layer's device, plus a host
-pool for swapped-out blocks, and the swap / copy-on-write operations on them."""
+"""CacheEngine: the paged KV cache of every layer, on that layer's device, plus a host pool
+for swapped-out blocks, and the swap / copy-on-write operations on them.
+
+Each device group has one tensor [num_layers, 2, num_blocks, block_size, kv_heads, head_dim];
+a layer's cache is a view of it, so a swap or a copy is one gather per group, not per layer.
+"""
 from __future__ import annotations
 
 import logging
@@ -7,6 +11,7 @@ import logging
 import torch
 
 from pagedllm.config import ModelConfig
+from pagedllm.worker.device_map import DeviceMap
 
 logger = logging.getLogger(__name__)
 
@@ -25,41 +30,64 @@ class CacheEngine:
         num_gpu_blocks: int,
         num_cpu_blocks: int,
         dtype: torch.dtype,
-        layer_devices: list[torch.device],
+        device_map: DeviceMap,
     ) -> None:
         self.block_size = block_size
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
-        self.layer_devices = layer_devices
-        shape = (block_size, config.num_key_value_heads, config.head_dim)
-        # "gpu" blocks live on each layer's own device (which may be the CPU).
-        self.gpu_cache = [
-            torch.zeros((2, num_gpu_blocks, *shape), dtype=dtype, device=d) for d in layer_devices
+        self.device_map = device_map
+        shape = (2, block_size, config.num_key_value_heads, config.head_dim)
+        # "gpu" blocks live on each group's own device (which may be the CPU); the swap pool
+        # is host memory, pinned where it feeds a CUDA device.
+        self.group_caches = [
+            torch.zeros((g.num_layers, shape[0], num_gpu_blocks, *shape[1:]), dtype=dtype,
+                        device=g.device)
+            for g in device_map.groups
         ]
-        pin = torch.cuda.is_available() and any(d.type == "cuda" for d in layer_devices)
-        self.cpu_cache = [
-            torch.zeros((2, num_cpu_blocks, *shape), dtype=dtype, pin_memory=pin)
-            for _ in layer_devices
+        self.group_swap = [
+            torch.zeros((g.num_layers, shape[0], num_cpu_blocks, *shape[1:]), dtype=dtype,
+                        pin_memory=g.device.type == "cuda")
+            for g in device_map.groups
         ]
+        # Per layer, in layer order: what the model's forward takes.
+        self.gpu_cache = [layer for cache in self.group_caches for layer in cache.unbind(0)]
+        self.cpu_cache = [layer for pool in self.group_swap for layer in pool.unbind(0)]
+
+    def group_bytes(self, index: int) -> int:
+        """Bytes of the device-side KV cache of one group."""
+        cache = self.group_caches[index]
+        return cache.numel() * cache.element_size()
 
     def swap_in(self, mapping: list[tuple[int, int]]) -> None:
-        """(cpu block, gpu block) pairs: host pool -> device cache, every layer."""
-        self._move(self.cpu_cache, self.gpu_cache, mapping)
+        """(cpu block, gpu block) pairs: host pool -> device cache, every group."""
+        self._move(self.group_swap, self.group_caches, mapping)
 
     def swap_out(self, mapping: list[tuple[int, int]]) -> None:
-        """(gpu block, cpu block) pairs: device cache -> host pool, every layer."""
-        self._move(self.gpu_cache, self.cpu_cache, mapping)
+        """(gpu block, cpu block) pairs: device cache -> host pool, every group."""
+        self._move(self.group_caches, self.group_swap, mapping)
 
     def copy(self, mapping: list[tuple[int, int]]) -> None:
-        """Copy-on-write: (src, dst) block pairs within the device cache, every layer."""
-        self._move(self.gpu_cache, self.gpu_cache, mapping)
+        """Copy-on-write: (src, dst) block pairs within the device cache, every group."""
+        self._move(self.group_caches, self.group_caches, mapping)
 
     @staticmethod
-    def _move(src: list[torch.Tensor], dst: list[torch.Tensor], mapping: list[tuple[int, int]]) -> None:
+    def _move(
+        src: list[torch.Tensor], dst: list[torch.Tensor], mapping: list[tuple[int, int]]
+    ) -> None:
         if not mapping:
             return
         src_ids = torch.tensor([s for s, _ in mapping])
         dst_ids = torch.tensor([d for _, d in mapping])
+        on_device: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+        def ids(which: str, ids_: torch.Tensor, device: torch.device) -> torch.Tensor:
+            if (which, device) not in on_device:
+                on_device[which, device] = ids_.to(device)
+            return on_device[which, device]
+
         for s, d in zip(src, dst):
-            blocks = s[:, src_ids.to(s.device)].to(d.device, non_blocking=True)
-            d[:, dst_ids.to(d.device)] = blocks
+            # Gather on the source, one transfer, scatter on the destination. A copy to the
+            # host is synchronous so the scatter reads complete data.
+            blocks = s[:, :, ids("src", src_ids, s.device)]
+            blocks = blocks.to(d.device, non_blocking=d.device.type == "cuda")
+            d[:, :, ids("dst", dst_ids, d.device)] = blocks

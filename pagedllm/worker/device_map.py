@@ -4,8 +4,9 @@ A map is a list of DeviceGroups: runs of consecutive layers on one device. Spec:
 "cuda:0:20,cuda:1:12" or "cuda:0:20,cpu:12" (DEVICE:LAYERS, in layer order), or "auto"
 (see plan_auto). The embedding sits with the first group; the final norm and LM head with
 the last. Groups stay distinct even on one physical device ("cpu:10,cpu:10,cpu:10" has three
-groups, three caches, three metadata copies and two boundaries), which is how CI exercises
-the multi-device path without GPUs.
+groups, three caches, three metadata objects and two boundaries), which is how CI exercises
+the multi-device path without GPUs; a move onto the device a tensor is already on copies no
+data, so real copies happen once per distinct device.
 
 Every move of hidden states or input metadata between groups goes through
 DeviceMap.transfer, so there is one place to read (and, in tests, to count) them.
@@ -17,11 +18,13 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
+from torch import nn
 
 from pagedllm.layers.metadata import PagedAttentionInputMetadata
+from pagedllm.worker.memory import module_bytes
 
 T = TypeVar("T")
-GiB = 1 << 30
+GiB, MiB = 1 << 30, 1 << 20
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,9 @@ class DeviceMap:
         groups, start = [], 0
         for device, n in counts:
             if n < 1:
-                raise ValueError(f"device map gives {device} {n} layers; each entry needs at least 1")
+                raise ValueError(
+                    f"device map gives {device} {n} layers; each entry needs at least 1"
+                )
             groups.append(DeviceGroup(len(groups), torch.device(device), start, start + n))
             start += n
         if not groups:
@@ -184,12 +189,76 @@ def check_device(name: str) -> torch.device:
 
 # ------------------------------------------------------------------ placement
 @dataclass
+class WeightSizes:
+    """Bytes of the model's weights, as placement sees them."""
+
+    layer_bytes: list[int]  # each decoder layer
+    embed_bytes: int  # sits with the first layer
+    head_bytes: int  # final norm and LM head, with the last layer
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "WeightSizes":
+        """Works on a model still on the meta device."""
+        return cls(
+            [module_bytes(layer) for layer in model.layers],
+            module_bytes(model.embed_tokens),
+            sum(module_bytes(m) for m in _head_modules(model)),
+        )
+
+    def per_group(self, device_map: DeviceMap) -> list[int]:
+        sizes = [sum(self.layer_bytes[i] for i in g.layers) for g in device_map.groups]
+        sizes[0] += self.embed_bytes
+        sizes[-1] += self.head_bytes
+        return sizes
+
+    def per_device(self, device_map: DeviceMap) -> dict[torch.device, int]:
+        sizes = {d: 0 for d in device_map.devices}
+        for g, n in zip(device_map.groups, self.per_group(device_map)):
+            sizes[g.device] += n
+        return sizes
+
+
+def _head_modules(model: nn.Module) -> list[nn.Module]:
+    return [model.norm] + ([model.lm_head] if model.lm_head is not None else [])
+
+
+def place_model(model: nn.Module, device_map: DeviceMap) -> None:
+    """Materialise a meta-device model on the map's devices (weights still to be loaded)."""
+    for g in device_map.groups:
+        for i in g.layers:
+            model.layers[i].to_empty(device=g.device)
+    model.embed_tokens.to_empty(device=device_map.input_device)
+    for m in _head_modules(model):
+        m.to_empty(device=device_map.output_device)
+    model.device_map = device_map
+
+
+def check_weights_fit(weights: dict[torch.device, int], free: dict[torch.device, int]) -> None:
+    """A clear error, before any allocation, when a device cannot hold its weights."""
+    for device, need in weights.items():
+        if need > free[device]:
+            raise ValueError(
+                f"device map puts {need / GiB:.2f} GiB of weights on {device}, which has "
+                f"{free[device] / GiB:.2f} GiB free"
+            )
+
+
+def describe(device_map: DeviceMap, weights: list[int], kv_bytes: list[int],
+             free: dict[torch.device, int]) -> list[str]:
+    """One line per group for the startup log."""
+    return [
+        f"device group {g.index} on {g.device}: layers {g.start}-{g.end - 1} ({g.num_layers}), "
+        f"weights {w / MiB:.1f} MiB, KV cache {kv / MiB:.1f} MiB; {g.device} has "
+        f"{free[g.device] / GiB:.2f} GiB free"
+        for g, w, kv in zip(device_map.groups, weights, kv_bytes)
+    ]
+
+
+@dataclass
 class PlacementInputs:
     """What plan_auto needs to know, all in bytes."""
 
-    layer_bytes: list[int]  # weights of each decoder layer
-    embed_bytes: int  # weights that sit with the first layer
-    head_bytes: int  # final norm and LM head, with the last layer
+    weights: WeightSizes
     kv_block_bytes: int  # one KV block of one layer
     activation_peak: int  # working memory of a forward, on every device that holds layers
     min_blocks: int  # the smallest useful shared KV cache, in blocks
@@ -217,7 +286,8 @@ def plan_auto(free_memory: Sequence[tuple[torch.device, int]], p: PlacementInput
     counts = _fill(free_memory, p, p.min_blocks)
     if counts is None:
         shown = ", ".join(f"{d} {f / GiB:.2f} GiB" for d, f in free_memory)
-        need = sum(p.layer_bytes) + p.embed_bytes + p.head_bytes
+        w = p.weights
+        need = sum(w.layer_bytes) + w.embed_bytes + w.head_bytes
         raise ValueError(
             f"device map 'auto' cannot fit the model: {need / GiB:.2f} GiB of weights plus a "
             f"KV cache of {p.min_blocks} blocks and activations, with usable memory {shown}"
@@ -229,14 +299,15 @@ def _fill(
     free_memory: Sequence[tuple[torch.device, int]], p: PlacementInputs, num_blocks: int
 ) -> list[tuple[torch.device, int]] | None:
     """Greedy in device order; None when some layers are left over."""
-    num_layers = len(p.layer_bytes)
+    w = p.weights
+    num_layers = len(w.layer_bytes)
     counts, start = [], 0
     for device, free in free_memory:
-        used = p.activation_peak + (p.embed_bytes if start == 0 else 0)
+        used = p.activation_peak + (w.embed_bytes if start == 0 else 0)
         end = start
         while end < num_layers:
-            cost = p.layer_bytes[end] + num_blocks * p.kv_block_bytes
-            cost += p.head_bytes if end == num_layers - 1 else 0
+            cost = w.layer_bytes[end] + num_blocks * p.kv_block_bytes
+            cost += w.head_bytes if end == num_layers - 1 else 0
             if used + cost > free:
                 break
             used += cost
@@ -247,13 +318,3 @@ def _fill(
         if start == num_layers:
             return counts
     return None
-
-
-def check_weights_fit(weights: dict[torch.device, int], free: dict[torch.device, int]) -> None:
-    """A clear error, before any allocation, when a device cannot hold its weights."""
-    for device, need in weights.items():
-        if need > free[device]:
-            raise ValueError(
-                f"device map puts {need / GiB:.2f} GiB of weights on {device}, which has "
-                f"{free[device] / GiB:.2f} GiB free"
-            )

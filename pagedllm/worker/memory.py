@@ -1,4 +1,5 @@
-"""Memory profiling: how many KV blocks each device can hold.
+"""Memory accounting: free memory per device, activation peaks, and how many KV blocks
+the devices can hold.
 
 All devices share one block table, so the engine's block count is the minimum over devices
 of (that device's KV budget / bytes per block of the layers it holds).
@@ -8,9 +9,12 @@ from __future__ import annotations
 import gc
 import logging
 import resource
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
+from torch import nn
+
+from pagedllm.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +34,41 @@ def available_host_memory() -> int:
     except OSError:
         pass
     return 4 << 30
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes free on the device now (host RAM for the CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return available_host_memory()
+
+
+def usable_memory(device: torch.device, gpu_memory_utilization: float) -> int:
+    """Bytes the engine may still take on the device: on CUDA, its share of the card minus
+    what is in use already; on the CPU, the RAM that is free."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return int(total * gpu_memory_utilization - (total - free))
+    return available_host_memory()
+
+
+def module_bytes(module: nn.Module) -> int:
+    """Bytes of a module's parameters and buffers (works on the meta device too)."""
+    tensors = list(module.parameters()) + list(module.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def estimate_activation_peak(
+    config: ModelConfig, num_tokens: int, num_logit_rows: int, dtype: torch.dtype
+) -> int:
+    """A rough upper bound of a forward's working memory, for placing layers before the
+    model exists to be profiled (the KV budget itself comes from the measured peak)."""
+    size = torch.tensor([], dtype=dtype).element_size()
+    q = config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    per_token = 4 * config.hidden_size + 2 * (q + 2 * kv) + 4 * config.intermediate_size
+    logits = num_logit_rows * config.vocab_size * 4 * 3  # fp32 logits, log-softmax, sampling
+    return num_tokens * per_token * size + logits
 
 
 def _max_rss() -> int:
@@ -58,6 +97,30 @@ def profile_peak_memory(run: Callable[[], None], devices: list[torch.device]) ->
     return peaks
 
 
+def per_device_values(name: str, value, devices: Sequence[torch.device], cast) -> dict:
+    """One value for all devices, or one per device (a list, or "a,b" as a string)."""
+    if value is None:
+        return {d: None for d in devices}
+    if isinstance(value, str):
+        try:
+            value = [cast(float(v)) for v in value.split(",")]
+        except ValueError:
+            raise ValueError(
+                f"{name} must be a number or comma-separated numbers, got {value!r}"
+            ) from None
+    if not isinstance(value, (list, tuple)):
+        value = [value]
+    if len(value) == 1:
+        value = list(value) * len(devices)
+    if len(value) != len(devices):
+        shown = ", ".join(str(d) for d in devices)
+        raise ValueError(
+            f"{name} has {len(value)} values but the device map uses {len(devices)} "
+            f"device(s): {shown}"
+        )
+    return {d: cast(v) for d, v in zip(devices, value)}
+
+
 def kv_budget(
     device: torch.device,
     activation_peak: int,
@@ -68,14 +131,27 @@ def kv_budget(
     if kv_cache_memory is not None:
         return int(kv_cache_memory)
     if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        used = total - free  # weights, other processes, the allocator's cache
-        return int(total * gpu_memory_utilization - used - activation_peak)
+        return usable_memory(device, gpu_memory_utilization) - activation_peak
     free_ram = available_host_memory()
     return int(min(free_ram * CPU_KV_FRACTION, CPU_KV_CAP) - activation_peak)
 
 
-def num_blocks_for_budgets(budgets: dict[torch.device, int], block_bytes: dict[torch.device, int]) -> int:
-    """The shared block count: min over devices of budget / bytes per block there."""
+def num_blocks_for_budgets(
+    budgets: dict[torch.device, int], block_bytes: dict[torch.device, int]
+) -> int:
+    """The shared block count: min over devices of budget / bytes per block there.
+
+    block_bytes[d] is one block over every layer device d holds; a device without layers
+    (0 bytes) does not limit the count.
+    """
     counts = {d: max(budgets[d], 0) // block_bytes[d] for d in block_bytes if block_bytes[d] > 0}
-    return min(counts.values())
+    if not counts:
+        raise ValueError("no device holds a layer")
+    device = min(counts, key=counts.__getitem__)
+    if counts[device] < 1:
+        raise ValueError(
+            f"no memory is left for the KV cache on {device}: its budget of "
+            f"{max(budgets[device], 0)} bytes is less than one block ({block_bytes[device]} "
+            f"bytes); lower the batch limits or give the cache more memory"
+        )
+    return counts[device]

@@ -1,7 +1,10 @@
 """ModelRunner: turns a SchedulerOutput into one model forward and samples the next tokens.
 
-Inputs are prepared once per step on the host, then copied once to each device that holds
-layers (PagedAttentionInputMetadata.to); a layer reads its own device's copy.
+Inputs are gathered once per step on the host (StepBatch), then either copied into a
+captured CUDA graph's static buffers (a decode step, see cuda_graphs.py) or built into
+PagedAttentionInputMetadata on the input device (eager; the model's forward copies it once
+to each later device group). Host-to-device copies go from pinned memory without
+blocking, so the host never waits for the device before the sampler's one transfer back.
 """
 from __future__ import annotations
 
@@ -14,17 +17,37 @@ from pagedllm.engine.scheduler import SchedulerOutput
 from pagedllm.engine.sequence import SequenceGroup, SequenceStatus
 from pagedllm.layers.metadata import PagedAttentionInputMetadata
 from pagedllm.layers.sampler import Sampler, SampleResult, SamplingRow, compute_prompt_logprobs
+from pagedllm.worker.cuda_graphs import DecodeCUDAGraphs
+
+
+@dataclass
+class StepBatch:
+    """One step's flat batch, as host lists."""
+
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slot_mapping: list[int] = field(default_factory=list)
+    query_lens: list[int] = field(default_factory=list)
+    seq_lens: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    # Flat token indices whose logits we need: prompt_logprobs rows first, then one row per
+    # sampled sequence.
+    logits_indices: list[int] = field(default_factory=list)
+    sample_rows: list[tuple[int, SamplingRow]] = field(default_factory=list)  # (seq_id, row)
+    # request_id -> (first logits row, number of rows, the prompt tokens they predict, top-k)
+    prompt_logprob_rows: dict[str, tuple[int, int, list[int], int]] = field(default_factory=dict)
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens, default=0)
 
 
 @dataclass
 class ModelInput:
+    """The eager forward's device inputs."""
+
     input_ids: torch.Tensor
     metadata: dict[torch.device, PagedAttentionInputMetadata]
-    # Flat token indices whose logits we need, and what each is for.
-    logits_indices: list[int]
-    sample_rows: list[tuple[int, SamplingRow]]  # (seq_id, row); row i uses logits row i
-    # request_id -> (first logits row, number of rows, the prompt tokens they predict, top-k)
-    prompt_logprob_rows: dict[str, tuple[int, int, list[int], int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -32,6 +55,14 @@ class StepResult:
     samples: dict[int, list[SampleResult]]  # seq_id -> samples (best_of at a first sample)
     # request_id -> per predicted prompt token: (logprob, rank, top-k)
     prompt_logprobs: dict[str, list[tuple[float, int, dict[int, float]]]]
+
+
+def to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a device tensor, through pinned memory without blocking the host."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
 
 
 class ModelRunner:
@@ -45,21 +76,23 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.layer_devices = layer_devices
-        self.devices = list(dict.fromkeys(layer_devices))  # distinct, in layer order
         self.input_device = layer_devices[0]
         self.sampler = Sampler(eos_token_ids)
+        self.graphs: DecodeCUDAGraphs | None = None  # set by enable_cuda_graphs
 
-    def prepare_input(self, out: SchedulerOutput) -> ModelInput:
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
-        prompt_indices: list[int] = []  # logits rows for prompt_logprobs come first,
-        sample_indices: list[int] = []  # then one row per sampled sequence
-        sample_rows: list[tuple[int, SamplingRow]] = []
-        prompt_rows: dict[str, tuple[int, int, list[int], int]] = {}
+    def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int, num_kv_heads: int,
+                           head_dim: int, dtype: torch.dtype) -> DecodeCUDAGraphs:
+        """Set up decode graphs (static buffers now; capture once the KV cache exists)."""
+        self.graphs = DecodeCUDAGraphs(self.model, self.input_device, max_num_seqs,
+                                       max_model_len, self.block_size, num_kv_heads, head_dim,
+                                       dtype)
+        return self.graphs
+
+    # ----------------------------------------------------------------- inputs
+    def gather(self, out: SchedulerOutput) -> StepBatch:
+        b = StepBatch()
+        prompt_indices: list[int] = []
+        sample_indices: list[int] = []
         bs = self.block_size
         for scheduled in out.scheduled_seq_groups:
             group, chunk = scheduled.seq_group, scheduled.token_chunk_size
@@ -68,36 +101,37 @@ class ModelRunner:
                 start = seq.num_computed_tokens
                 tokens = seq.get_token_ids()
                 table = out.block_tables[seq.seq_id]
-                first = len(ids)
-                ids += tokens[start: start + chunk]
-                positions += range(start, start + chunk)
-                slots += [table[p // bs] * bs + p % bs for p in range(start, start + chunk)]
-                query_lens.append(chunk)
-                seq_lens.append(start + chunk)
-                tables.append(table)
+                first = len(b.input_ids)
+                b.input_ids += tokens[start: start + chunk]
+                b.positions += range(start, start + chunk)
+                b.slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, start + chunk)]
+                b.query_lens.append(chunk)
+                b.seq_lens.append(start + chunk)
+                b.block_tables.append(table)
                 prompt_len = seq.get_prompt_len()
                 if params.prompt_logprobs is not None and start + 1 < prompt_len:
                     # Logits at position p predict prompt token p + 1.
                     end = min(start + chunk, prompt_len - 1)
-                    prompt_rows[group.request_id] = (
+                    b.prompt_logprob_rows[group.request_id] = (
                         len(prompt_indices), end - start, tokens[start + 1: end + 1],
                         params.prompt_logprobs,
                     )
                     prompt_indices += range(first, first + end - start)
                 if scheduled.do_sample:
                     sample_indices.append(first + chunk - 1)
-                    sample_rows.append((seq.seq_id, self._sampling_row(group, seq)))
+                    b.sample_rows.append((seq.seq_id, self._sampling_row(group, seq)))
+        b.logits_indices = prompt_indices + sample_indices
+        return b
+
+    def prepare_input(self, b: StepBatch) -> ModelInput:
+        """The eager path's device tensors, on the input device (the model's forward copies
+        the metadata once to each later device group)."""
         meta = PagedAttentionInputMetadata.build(
-            positions, slots, query_lens, seq_lens, tables, device=self.input_device
+            b.positions, b.slot_mapping, b.query_lens, b.seq_lens, b.block_tables,
+            device=self.input_device,
         )
-        metadata = {self.input_device: meta}
-        for device in self.devices:
-            if device not in metadata:
-                metadata[device] = meta.to(device)
-        input_ids = torch.tensor(ids, dtype=torch.long).to(self.input_device, non_blocking=True)
-        return ModelInput(
-            input_ids, metadata, prompt_indices + sample_indices, sample_rows, prompt_rows
-        )
+        input_ids = to_device(b.input_ids, torch.long, self.input_device)
+        return ModelInput(input_ids, {self.input_device: meta})
 
     @staticmethod
     def _sampling_row(group: SequenceGroup, seq) -> SamplingRow:
@@ -110,20 +144,39 @@ class ModelRunner:
             generator=seq.generator,
         )
 
+    # ---------------------------------------------------------------- execution
+    def uses_graph(self, b: StepBatch) -> bool:
+        return self.graphs is not None and self.graphs.can_run(
+            b.max_query_len, len(b.input_ids), len(b.query_lens)
+        )
+
+    def forward(self, b: StepBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """Hidden states of every token of the step, [num_tokens, hidden]."""
+        if self.uses_graph(b):
+            return self.graphs.run(b.input_ids, b.positions, b.slot_mapping, b.seq_lens,
+                                   b.block_tables)
+        inp = self.prepare_input(b)
+        return self.model(inp.input_ids, kv_caches, inp.metadata)
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv_caches: list[torch.Tensor]) -> StepResult:
-        inp = self.prepare_input(out)
-        hidden = self.model(inp.input_ids, kv_caches, inp.metadata)
-        if not inp.logits_indices:
+        b = self.gather(out)
+        hidden = self.forward(b, kv_caches)
+        if not b.logits_indices:
             return StepResult({}, {})
-        index = torch.tensor(inp.logits_indices, device=hidden.device)
-        logits = self.model.compute_logits(hidden.index_select(0, index))
+        logits = self.model.compute_logits(self._select_rows(hidden, b.logits_indices))
         prompt_logprobs = {}
-        for request_id, (row, count, targets, k) in inp.prompt_logprob_rows.items():
+        for request_id, (row, count, targets, k) in b.prompt_logprob_rows.items():
             prompt_logprobs[request_id] = compute_prompt_logprobs(
                 logits[row: row + count], targets, k
             )
-        num_prompt_rows = len(inp.logits_indices) - len(inp.sample_rows)
-        results = self.sampler(logits[num_prompt_rows:], [row for _, row in inp.sample_rows])
-        samples = {seq_id: res for (seq_id, _), res in zip(inp.sample_rows, results)}
+        num_prompt_rows = len(b.logits_indices) - len(b.sample_rows)
+        results = self.sampler(logits[num_prompt_rows:], [row for _, row in b.sample_rows])
+        samples = {seq_id: res for (seq_id, _), res in zip(b.sample_rows, results)}
         return StepResult(samples, prompt_logprobs)
+
+    @staticmethod
+    def _select_rows(hidden: torch.Tensor, indices: list[int]) -> torch.Tensor:
+        if indices == list(range(hidden.shape[0])):  # decode: every row, in order
+            return hidden
+        return hidden.index_select(0, to_device(indices, torch.long, hidden.device))

@@ -15,7 +15,10 @@ from pagedllm.loader import initialize_dummy_weights, load_model_source
 from pagedllm.models.registry import build_model
 from pagedllm.worker import memory
 from pagedllm.worker.cache_engine import CacheEngine, bytes_per_block
-from pagedllm.worker.device_map import DeviceMap
+from pagedllm.worker.cuda_graphs import graphs_supported
+from pagedllm.worker.device_map import (
+    DeviceMap, PlacementInputs, WeightSizes, check_weights_fit, describe, place_model, plan_auto,
+)
 from pagedllm.worker.model_runner import ModelRunner, StepResult
 
 logger = logging.getLogger(__name__)
@@ -38,21 +41,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def _per_device(value, devices: list[torch.device], cast) -> dict[torch.device, object]:
-    """One value for all devices, or a comma-separated / list value per device."""
-    if value is None:
-        return {d: None for d in devices}
-    if isinstance(value, str):
-        value = [cast(float(v)) for v in value.split(",")]
-    if not isinstance(value, (list, tuple)):
-        value = [value]
-    if len(value) == 1:
-        value = list(value) * len(devices)
-    if len(value) != len(devices):
-        raise ValueError(f"got {len(value)} values for {len(devices)} devices")
-    return {d: cast(v) for d, v in zip(devices, value)}
-
-
 class Worker:
     def __init__(self, args: EngineArgs) -> None:
         source = load_model_source(args.model, args.load_format, args.tokenizer)
@@ -60,15 +48,12 @@ class Worker:
         self.model_config = config = source.config
         self.tokenizer = source.tokenizer
         device = resolve_device(args.device)
-        self.dtype = resolve_dtype(args.dtype, device)
         num_layers = config.num_hidden_layers
-        self.device_map = (
-            DeviceMap.parse(args.device_map, num_layers) if args.device_map
-            else DeviceMap.single(device, num_layers)
-        )
-        self.model = self._load_model(source, args.seed)
-        head = self.model.lm_head if self.model.lm_head is not None else self.model.embed_tokens
-        self.logits_device = head.weight.device
+        spec = (args.device_map or "").strip()
+        explicit_map = DeviceMap.parse(spec, num_layers) if spec and spec != "auto" else None
+        if explicit_map is not None:
+            device = explicit_map.input_device
+        self.dtype = resolve_dtype(args.dtype, device)
         self.max_model_len = min(args.max_model_len or config.max_position_embeddings,
                                  config.max_position_embeddings)
         default_budget = 8192 if device.type == "cuda" else 512
@@ -77,6 +62,10 @@ class Worker:
             budget = max(budget, self.max_model_len)
         self.max_num_batched_tokens = budget
         self.max_num_seqs = args.max_num_seqs
+        self.model = self._load_model(source, args, explicit_map or (
+            "auto" if spec == "auto" else DeviceMap.single(device, num_layers)))
+        head = self.model.lm_head if self.model.lm_head is not None else self.model.embed_tokens
+        self.logits_device = head.weight.device
         eos = list(config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.append(self.tokenizer.eos_token_id)
@@ -84,6 +73,9 @@ class Worker:
         self.block_size = args.block_size
         self.runner = ModelRunner(self.model, args.block_size, self.eos_token_ids,
                                   self.device_map.layer_devices)
+        if graphs_supported(self.device_map.layer_devices, args.enforce_eager):
+            self.runner.enable_cuda_graphs(self.max_num_seqs, self.max_model_len,
+                                           config.num_key_value_heads, config.head_dim, self.dtype)
         self.num_gpu_blocks = args.num_gpu_blocks_override or self._profile_num_blocks(args)
         if self.num_gpu_blocks < 1:
             raise ValueError("no memory is left for the KV cache: lower the batch limits or "
@@ -92,8 +84,17 @@ class Worker:
         self.num_cpu_blocks = int(args.swap_space * (1 << 30)) // all_layers_block
         self.cache_engine = CacheEngine(
             config, args.block_size, self.num_gpu_blocks, self.num_cpu_blocks, self.dtype,
-            self.device_map.layer_devices,
+            self.device_map,
         )
+        if self.runner.graphs is not None:
+            self.runner.graphs.capture(self.cache_engine.gpu_cache)
+        groups = self.device_map.groups
+        for line in describe(
+            self.device_map, self.weight_sizes.per_group(self.device_map),
+            [self.cache_engine.group_bytes(g.index) for g in groups],
+            {d: memory.free_memory(d) for d in self.device_map.devices},
+        ):
+            logger.info(line)
         logger.info(
             "KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB); swap space %d blocks",
             self.num_gpu_blocks, args.block_size, self.num_gpu_blocks * args.block_size,
@@ -101,7 +102,7 @@ class Worker:
         )
 
     # ------------------------------------------------------------------ loading
-    def _load_model(self, source, seed: int) -> nn.Module:
+    def _load_model(self, source, args: EngineArgs, device_map: DeviceMap | str) -> nn.Module:
         previous = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
@@ -109,18 +110,41 @@ class Worker:
                 model = build_model(source.config)
         finally:
             torch.set_default_dtype(previous)
-        devices = self.device_map.layer_devices
-        for layer, device in zip(model.layers, devices):
-            layer.to_empty(device=device)
-        model.embed_tokens.to_empty(device=devices[0])
-        model.norm.to_empty(device=devices[-1])
-        if model.lm_head is not None:
-            model.lm_head.to_empty(device=devices[-1])
+        self.device_map = self._place(model, args, device_map)
         if source.load_format == "dummy":
-            initialize_dummy_weights(model, seed)
+            initialize_dummy_weights(model, args.seed)
         else:
             model.load_weights(source.iter_weights(self.dtype))
         return model.eval()
+
+    def _place(self, model: nn.Module, args: EngineArgs, device_map: DeviceMap | str) -> DeviceMap:
+        """Decide the map ("auto": by free memory), check the weights fit, materialise."""
+        self.weight_sizes = sizes = WeightSizes.of(model)
+        if device_map == "auto":
+            device_map = plan_auto(self._usable_memory(args), PlacementInputs(
+                sizes,
+                kv_block_bytes=bytes_per_block(self.model_config, args.block_size, self.dtype, 1),
+                activation_peak=memory.estimate_activation_peak(
+                    self.model_config, self.max_num_batched_tokens,
+                    min(self.max_num_seqs, self.max_num_batched_tokens), self.dtype),
+                min_blocks=math.ceil(self.max_model_len / args.block_size),
+            ))
+        weights = sizes.per_device(device_map)
+        check_weights_fit(weights, {d: memory.free_memory(d) for d in weights})
+        place_model(model, device_map)
+        return device_map
+
+    @staticmethod
+    def _usable_memory(args: EngineArgs) -> list[tuple[torch.device, int]]:
+        """Every CUDA device in order, then the CPU: where "auto" may put layers."""
+        value = args.gpu_memory_utilization
+        values = list(value) if isinstance(value, (list, tuple)) else str(value).split(",")
+        if len(values) > 1:
+            raise ValueError("device_map='auto' takes one gpu_memory_utilization for all devices")
+        utilization = float(values[0])
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        devices = [torch.device("cuda", i) for i in range(count)] + [torch.device("cpu")]
+        return [(d, memory.usable_memory(d, utilization)) for d in devices]
 
     def make_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.logits_device).manual_seed(seed)
@@ -129,8 +153,15 @@ class Worker:
     def _profile_num_blocks(self, args: EngineArgs) -> int:
         devices = self.device_map.devices
         peaks = memory.profile_peak_memory(self._profile_run, devices)
-        utilization = _per_device(args.gpu_memory_utilization, devices, float)
-        kv_memory = _per_device(args.kv_cache_memory, devices, int)
+        if self.runner.graphs is not None:
+            # The decode graphs' memory lives beside the eager activations: reserve both.
+            pool = memory.profile_peak_memory(self.runner.graphs.profile_run, devices)
+            reserve = {d: self.runner.graphs.memory_reserve(pool.get(d, 0)) for d in devices}
+            logger.info("CUDA graph headroom: %.1f MiB", sum(reserve.values()) / (1 << 20))
+            peaks = {d: peaks[d] + reserve[d] for d in devices}
+        utilization = memory.per_device_values(
+            "gpu_memory_utilization", args.gpu_memory_utilization, devices, float)
+        kv_memory = memory.per_device_values("kv_cache_memory", args.kv_cache_memory, devices, int)
         budgets = {
             d: memory.kv_budget(d, peaks[d], utilization[d], kv_memory[d]) for d in devices
         }
@@ -167,7 +198,7 @@ class Worker:
             slots += [blocks[p // bs] * bs + p % bs for p in range(n)]
         meta = PagedAttentionInputMetadata.build(positions, slots, lens, lens, tables,
                                                  device=self.device_map.layer_devices[0])
-        metadata = {d: meta.to(d) for d in self.device_map.devices}
+        metadata = self.device_map.distribute(meta)
         ids = torch.zeros(tokens, dtype=torch.long, device=self.device_map.layer_devices[0])
         hidden = self.model(ids, caches, metadata)
         rows = min(self.max_num_seqs, tokens)

@@ -13,6 +13,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedllm.engine.async_engine import AsyncLLMEngine
@@ -29,7 +30,7 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from pagedllm.entrypoints.openai.serving_engine import OpenAIError
+from pagedllm.entrypoints.openai.serving_engine import OpenAIError, SSEResponse
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +100,8 @@ def build_app(engine: AsyncLLMEngine, api_key: str | None = None) -> FastAPI:
             tokens = await engine.run_in_engine_thread(
                 lambda: engine.tokenizer.encode(text, add_special_tokens=add_special)
             )
-        return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=engine.max_model_len)
+        return TokenizeResponse(tokens=tokens, count=len(tokens),
+                                max_model_len=engine.max_model_len)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
@@ -122,16 +124,18 @@ def build_app(engine: AsyncLLMEngine, api_key: str | None = None) -> FastAPI:
 def _respond(result: Any) -> Any:
     if isinstance(result, Response):
         return result
-    if isinstance(result, AsyncIterator):
-        return StreamingResponse(result, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+    if isinstance(result, SSEResponse):
+        return StreamingResponse(result.events, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"},
+                                 background=BackgroundTask(result.abort))
     return JSONResponse(result.model_dump(mode="json"))
 
 
 async def _cancel_on_disconnect(request: Request, work: Awaitable[Any]) -> Any:
-    """Run a non-streaming handler, cancelling it (so its requests abort) if the client leaves.
+    """Run a handler, cancelling it (so its requests abort) if the client leaves first.
 
-    Streaming responses watch for the disconnect themselves (Starlette cancels the body).
+    Once a streaming response has started, Starlette cancels its body on disconnect itself.
+    An unexpected exception becomes a 500 for this request alone.
     """
     task = asyncio.ensure_future(work)
 
@@ -150,7 +154,14 @@ async def _cancel_on_disconnect(request: Request, work: Awaitable[Any]) -> Any:
             task.cancel()  # its cleanup aborts the engine requests
     if not task.done():  # nobody is listening; 499 is nginx's "client closed request"
         return Response(status_code=499)
-    return task.result()
+    try:
+        return task.result()
+    except OpenAIError:
+        raise
+    except Exception as exc:  # this request fails; the server and the engine loop go on
+        logger.exception("request failed")
+        raise OpenAIError(f"internal error: {type(exc).__name__}: {exc}", 500,
+                          type="internal_server_error") from None
 
 
 def _error_response(error: OpenAIError) -> JSONResponse:
@@ -186,7 +197,8 @@ def _validation_to_openai(exc: RequestValidationError) -> OpenAIError:
         return OpenAIError("invalid request")
     first = errors[0]
     if first.get("type") == "json_invalid":
-        return OpenAIError(f"malformed JSON body: {first.get('ctx', {}).get('error', first['msg'])}")
+        detail = first.get("ctx", {}).get("error", first["msg"])
+        return OpenAIError(f"malformed JSON body: {detail}")
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     # Unions report one error per branch with the branch type in loc; keep the field path.
     path = ".".join(p for p in loc if not _is_type_tag(p))

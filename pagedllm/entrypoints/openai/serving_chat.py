@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+from pagedllm.engine.async_engine import RequestStream
 from pagedllm.engine.sequence import Logprob
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionChoice,
@@ -24,6 +25,7 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.serving_completion import finish_reason
 from pagedllm.entrypoints.openai.serving_engine import (
     SSE_DONE,
+    SSEResponse,
     OpenAIError,
     OpenAIServing,
     check_output,
@@ -76,7 +78,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest
-    ) -> ChatCompletionResponse | AsyncIterator[str]:
+    ) -> ChatCompletionResponse | SSEResponse:
         self.check_model(request.model)
         if request.top_logprobs is not None and not request.logprobs:
             raise OpenAIError("top_logprobs requires logprobs to be true", param="top_logprobs")
@@ -90,7 +92,7 @@ class OpenAIServingChat(OpenAIServing):
         request_id = random_id("chatcmpl")
         streams = await self.add_requests([prompt], params, request_id)
         if request.stream:
-            return self._stream(request, request_id, streams)
+            return SSEResponse(self._stream(request, request_id, streams), streams)
         (out,) = await final_outputs(streams)
         choices = []
         for j, o in enumerate(out.outputs):
@@ -112,7 +114,9 @@ class OpenAIServingChat(OpenAIServing):
             id=request_id, model=self.model_name, choices=choices, usage=usage
         )
 
-    async def _stream(self, request: ChatCompletionRequest, request_id: str, streams) -> AsyncIterator[str]:
+    async def _stream(
+        self, request: ChatCompletionRequest, request_id: str, streams: list[RequestStream]
+    ) -> AsyncIterator[str]:
         created = now()
         (stream,) = streams
         sent_tokens = [0] * request.n

@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+from pagedllm.engine.async_engine import RequestStream
 from pagedllm.engine.sequence import Logprob
 from pagedllm.entrypoints.openai.protocol import (
     CompletionChoice,
@@ -16,6 +17,7 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.serving_engine import (
     SSE_DONE,
+    SSEResponse,
     OpenAIError,
     OpenAIServing,
     check_output,
@@ -44,7 +46,7 @@ def normalise_prompts(prompt: Any) -> list[str | list[int]]:
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(
         self, request: CompletionRequest
-    ) -> CompletionResponse | AsyncIterator[str]:
+    ) -> CompletionResponse | SSEResponse:
         self.check_model(request.model)
         if request.suffix is not None:
             raise OpenAIError("suffix is not supported", param="suffix")
@@ -59,7 +61,7 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id = random_id("cmpl")
         streams = await self.add_requests(prompts, params, request_id)
         if request.stream:
-            return self._stream(request, request_id, streams)
+            return SSEResponse(self._stream(request, request_id, streams), streams)
         outputs = await final_outputs(streams)
         return self._response(request, request_id, outputs)
 
@@ -93,7 +95,9 @@ class OpenAIServingCompletion(OpenAIServing):
             id=request_id, model=self.model_name, choices=choices, usage=usage
         )
 
-    async def _stream(self, request: CompletionRequest, request_id: str, streams) -> AsyncIterator[str]:
+    async def _stream(
+        self, request: CompletionRequest, request_id: str, streams: list[RequestStream]
+    ) -> AsyncIterator[str]:
         created = now()
         n = request.n
         # Per choice: tokens sent so far, characters sent so far, finished.

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
@@ -119,6 +120,19 @@ class OpenAIServing:
                 stream.abort()
             raise
         return streams
+
+
+@dataclass
+class SSEResponse:
+    """A stream of SSE events and the requests behind it (aborted when the response ends,
+    even if the body never started)."""
+
+    events: AsyncIterator[str]
+    streams: list[RequestStream]
+
+    def abort(self) -> None:
+        for stream in self.streams:
+            stream.abort()
 
 
 def check_output(output: RequestOutput) -> None:

@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# `make gpu-check`: the CUDA path end to end, on a machine with an NVIDIA GPU.
+#
+#   kernels        tests/test_kernels.py on real CUDA (not the interpreter)
+#   kernel-bench   scripts/gpu_kernel_bench.py: kernel checks at Llama-3-8B shapes + timings
+#   parity         scripts/gpu_parity.py: CUDA fp32 == CPU fp32 greedy tokens, graphs == eager
+#   nano decode-8b throughput-8b prefix-8b
+#                  `pagedllm bench <workload>` (pagedllm/benchmarks/workloads.py)
+#
+# Environment: OUT (log folder, default ./gpu-check-logs), PYTHON (default python3),
+# GPU_CHECK_STEPS (comma list, default all of the above), GPU_CHECK_PEERS=0 (skip the
+# transformers peers of the benchmarks), GPU_CHECK_MAX_STEP_S (caps every step's time limit). A missing gguf package (the loader imports it) is
+# installed from wheels in .whl/ when they are there. Every step runs under its own time
+# limit and the next one runs whatever happened; a summary table is printed last, and the
+# exit status is 1 when any step failed.
+set -u
+cd "$(dirname "$0")/.."
+REPO=$PWD
+LOGS=${OUT:-$REPO/gpu-check-logs}
+PY=${PYTHON:-python3}
+STEPS=${GPU_CHECK_STEPS:-kernels,kernel-bench,parity,nano,decode-8b,throughput-8b,prefix-8b}
+WORK=$(mktemp -d /tmp/gpu-check.XXXXXX)
+mkdir -p "$LOGS"
+export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
+SUMMARY=$LOGS/summary.txt
+: >"$SUMMARY"
+
+if ! $PY -c "import gguf" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$WORK/site" \
+        .whl/*.whl && export PYTHONPATH=$PYTHONPATH:$WORK/site
+fi
+
+{
+    date -u
+    nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version,clocks.sm,clocks.mem \
+        --format=csv 2>&1
+    $PY -c "import torch, triton, transformers; print('torch', torch.__version__, '| triton', \
+triton.__version__, '| transformers', transformers.__version__, '| cuda', torch.cuda.is_available())"
+    $PY -c "import pagedllm; print('pagedllm imports')"
+} >"$LOGS/env.log" 2>&1
+cat "$LOGS/env.log"
+
+FAILED=0
+ROWS=()
+
+# run_step NAME LIMIT_S LOG COMMAND...: the command's output goes to LOG (appended).
+run_step() {
+    local name=$1 limit=$2 log=$3
+    [ -n "${GPU_CHECK_MAX_STEP_S:-}" ] && [ "$GPU_CHECK_MAX_STEP_S" -lt "$limit" ] && limit=$GPU_CHECK_MAX_STEP_S
+    shift 3
+    case ",$STEPS," in *",$name,"*) ;; *) return ;; esac
+    echo "== $name (limit ${limit}s)" | tee -a "$log"
+    local start=$SECONDS rc
+    timeout --kill-after=10 "$limit" "$@" >>"$log" 2>&1
+    rc=$?
+    local status=PASS
+    if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then status=TIMEOUT; elif [ $rc -ne 0 ]; then status="FAIL($rc)"; fi
+    [ "$status" = PASS ] || FAILED=1
+    ROWS+=("$(printf '%-14s %-10s %5ds' "$name" "$status" $((SECONDS - start)))")
+    echo "== $name: $status in $((SECONDS - start)) s" | tee -a "$log"
+}
+
+# The benchmark CLI, with the engine's INFO log (KV capacity, memory, graphs) on stderr.
+cat >"$WORK/bench.py" <<'EOF'
+import logging, sys
+logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+logging.getLogger("pagedllm").setLevel(logging.INFO)
+from pagedllm.entrypoints.cli import main
+sys.exit(main(["bench", *sys.argv[1:]]))
+EOF
+
+PEER=()
+[ "${GPU_CHECK_PEERS:-1}" = 0 ] && PEER=(--no-peer)
+
+run_step kernels 300 "$LOGS/kernels.log" $PY -m pytest -q -p no:cacheprovider tests/test_kernels.py
+run_step kernel-bench 300 "$LOGS/kernel_bench.log" $PY scripts/gpu_kernel_bench.py
+run_step parity 420 "$LOGS/parity.log" $PY scripts/gpu_parity.py --out "$LOGS/parity.json"
+for w in nano decode-8b throughput-8b prefix-8b; do
+    peer=()
+    [ "$w" = nano ] || [ "$w" = throughput-8b ] && peer=("${PEER[@]}")
+    run_step "$w" 480 "$LOGS/bench.log" $PY "$WORK/bench.py" "$w" --out "$WORK/$w.json" "${peer[@]}"
+    [ -f "$WORK/$w.json" ] && { echo "-- $w.json"; cat "$WORK/$w.json"; } >>"$LOGS/bench.log"
+done
+
+{
+    echo
+    echo "================ gpu-check summary ================"
+    printf '%s\n' "${ROWS[@]}"
+    echo
+    [ -f "$LOGS/kernels.log" ] && grep -E "passed|failed|error" "$LOGS/kernels.log" | tail -1 \
+        | sed 's/^/kernels: /'
+    [ -f "$LOGS/kernel_bench.log" ] && grep -E "checks passed" "$LOGS/kernel_bench.log" \
+        | sed 's/^/kernel-bench: /'
+    [ -f "$LOGS/parity.log" ] && sed -n '/^check /,$p' "$LOGS/parity.log"
+    if [ -f "$LOGS/bench.log" ]; then
+        echo
+        grep -E "^== |KV budget|KV cache:|CUDA graph|Traceback|Error" "$LOGS/bench.log" | cut -c1-160
+        for w in nano decode-8b throughput-8b prefix-8b; do  # each table follows "results:"
+            sed -n "/^results: .*\/$w.json/,/^== $w:/p" "$LOGS/bench.log" | sed '1s/^/\n/'
+        done
+    fi
+} | tee -a "$SUMMARY"
+rm -rf "$WORK"
+exit $FAILED

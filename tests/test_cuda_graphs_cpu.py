@@ -1,0 +1,225 @@
+"""The CPU-checkable parts of the CUDA path: decode-graph buckets, input padding, and that a
+padded static-buffer forward computes the same rows as the plain eager forward; plus the
+fused Triton layer kernels against the torch layers (under the interpreter on CPU)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from pagedllm.config import ModelConfig
+from pagedllm.layers import attention
+from pagedllm.layers.metadata import PagedAttentionInputMetadata
+from pagedllm.layers.norms import RMSNorm
+from pagedllm.layers.rotary import RotaryEmbedding
+from pagedllm.loader import initialize_dummy_weights
+from pagedllm.models.registry import build_model
+from pagedllm.worker.cuda_graphs import (
+    MAX_GRAPH_BATCH_SIZE,
+    PAD_SEQ_LEN,
+    PAD_SLOT,
+    DecodeCUDAGraphs,
+    choose_bucket,
+    fits_decode_graph,
+    graph_batch_sizes,
+    graphs_supported,
+    pad_decode_batch,
+)
+
+triton_ops = pytest.importorskip("pagedllm.kernels.triton_ops") if os.environ.get(
+    "TRITON_INTERPRET") == "1" else None
+needs_interpreter = pytest.mark.skipif(triton_ops is None, reason="needs TRITON_INTERPRET=1")
+
+CPU = torch.device("cpu")
+CUDA = torch.device("cuda", 0)  # a device object only; nothing is allocated on it
+
+
+# ------------------------------------------------------------------------- buckets
+
+
+def test_batch_sizes_follow_the_bucket_ladder():
+    assert graph_batch_sizes(256) == [1, 2, 4, 8, 16, 24, 32, *range(48, 257, 16)]
+    assert graph_batch_sizes(1) == [1]
+    assert graph_batch_sizes(20) == [1, 2, 4, 8, 16, 20]  # max_num_seqs is always a bucket
+    assert graph_batch_sizes(100)[-3:] == [80, 96, 100]
+    assert graph_batch_sizes(10_000)[-1] == MAX_GRAPH_BATCH_SIZE
+
+
+def test_batch_sizes_reject_a_bad_limit():
+    with pytest.raises(ValueError, match="max_num_seqs must be at least 1, got 0"):
+        graph_batch_sizes(0)
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 7, 32, 100, 256])
+def test_choose_bucket_is_the_smallest_that_fits(max_num_seqs):
+    sizes = graph_batch_sizes(max_num_seqs)
+    for n in range(1, max_num_seqs + 1):
+        bucket = choose_bucket(sizes, n)
+        assert bucket >= n
+        assert all(s < n for s in sizes if s < bucket)
+    assert choose_bucket(sizes, sizes[-1] + 1) is None
+
+
+def test_choose_bucket_rejects_an_empty_batch():
+    with pytest.raises(ValueError, match="batch_size must be at least 1, got 0"):
+        choose_bucket([1, 2], 0)
+
+
+def test_only_decode_steps_that_fit_replay_a_graph():
+    assert fits_decode_graph(max_query_len=1, num_tokens=5, num_seqs=5, max_batch_size=8)
+    assert fits_decode_graph(1, 8, 8, 8)
+    assert not fits_decode_graph(1, 9, 9, 8)  # larger than the largest bucket
+    assert not fits_decode_graph(2, 6, 5, 8)  # a prompt chunk in the batch
+    assert not fits_decode_graph(0, 0, 0, 8)  # nothing to run
+
+
+def test_graphs_need_one_cuda_device_and_no_enforce_eager():
+    assert graphs_supported([CUDA] * 4, enforce_eager=False)
+    assert not graphs_supported([CUDA] * 4, enforce_eager=True)
+    assert not graphs_supported([CPU] * 4, enforce_eager=False)
+    assert not graphs_supported([CUDA, CUDA, CPU], enforce_eager=False)
+    assert not graphs_supported([CUDA, torch.device("cuda", 1)], enforce_eager=False)
+
+
+# ------------------------------------------------------------------------- padding
+
+
+def test_pad_decode_batch_pads_rows_that_write_nothing():
+    b = pad_decode_batch([11, 12], [5, 40], [101, 202], [6, 41], [[3], [7, 8, 9]], bucket=4)
+    assert b.num_seqs == 2
+    assert b.input_ids.tolist() == [11, 12, 0, 0]
+    assert b.positions.tolist() == [5, 40, 0, 0]
+    assert b.slot_mapping.tolist() == [101, 202, PAD_SLOT, PAD_SLOT]
+    assert b.seq_lens.tolist() == [6, 41, PAD_SEQ_LEN, PAD_SEQ_LEN]
+    assert b.block_tables.tolist() == [[3, 0, 0], [7, 8, 9], [0, 0, 0], [0, 0, 0]]
+    assert b.input_ids.dtype == b.slot_mapping.dtype == torch.int64
+    assert b.seq_lens.dtype == b.block_tables.dtype == torch.int32
+
+
+def test_pad_decode_batch_rejects_bad_inputs():
+    with pytest.raises(ValueError, match="does not fit a graph of 2"):
+        pad_decode_batch([1, 2, 3], [0, 0, 0], [0, 1, 2], [1, 1, 1], [[0], [0], [0]], bucket=2)
+    with pytest.raises(ValueError, match="disagree on the batch size: 2 ids, 1 positions"):
+        pad_decode_batch([1, 2], [0], [0, 1], [1, 1], [[0], [0]], bucket=2)
+
+
+# ------------------------------------------- static buffers vs the eager forward (CPU)
+
+
+def tiny_llama():
+    config = ModelConfig(
+        architecture="llama", vocab_size=97, hidden_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+        max_position_embeddings=64,
+    )
+    model = build_model(config)
+    initialize_dummy_weights(model, seed=3)
+    return model.eval(), config
+
+
+@needs_interpreter
+def test_padded_static_forward_matches_the_eager_rows_and_cache(monkeypatch):
+    """What a graph replays, run eagerly through the Triton attention (which, unlike the
+    reference, reads lengths from device tensors only): same hidden rows as the plain eager
+    forward, same cache, and the padding row writes nothing."""
+    monkeypatch.setattr(attention, "use_triton", lambda q: True)
+    model, c = tiny_llama()
+    block_size, num_blocks = 4, 12
+    shape = (2, num_blocks, block_size, c.num_key_value_heads, c.head_dim)
+    g = torch.Generator().manual_seed(0)
+    caches = [torch.randn(shape, generator=g) for _ in range(c.num_hidden_layers)]
+    # Three sequences decoding at positions 6, 9 and 2, their blocks scattered.
+    tables = [[5, 1], [0, 7, 3], [10]]
+    seq_lens = [7, 10, 3]
+    positions = [n - 1 for n in seq_lens]
+    slots = [t[p // block_size] * block_size + p % block_size for t, p in zip(tables, positions)]
+    ids = [4, 50, 96]
+
+    eager_caches = [x.clone() for x in caches]
+    meta = PagedAttentionInputMetadata.build(positions, slots, [1, 1, 1], seq_lens, tables)
+    with torch.inference_mode():
+        expected = model(torch.tensor(ids), eager_caches, {CPU: meta})
+
+    # A long max_model_len: the graph's fixed split count differs from the eager choice.
+    graphs = DecodeCUDAGraphs(model, CPU, max_num_seqs=8, max_model_len=1024,
+                              block_size=block_size, num_kv_heads=c.num_key_value_heads,
+                              head_dim=c.head_dim, dtype=torch.float32)
+    assert graphs.num_splits(4) > 1
+    static_caches = [x.clone() for x in caches]
+    bucket = graphs.load_inputs(ids, positions, slots, seq_lens, tables)
+    assert bucket == 4  # three sequences ride in the bucket of four
+    with torch.inference_mode():
+        got = graphs._forward(bucket, static_caches)
+
+    assert got.shape == (4, c.hidden_size)
+    torch.testing.assert_close(got[:3], expected, rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(got).all()  # the padding row reads finite values
+    for a, b in zip(static_caches, eager_caches):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)  # only the real tokens were written
+
+
+def test_graph_metadata_fixes_the_split_count_per_bucket():
+    model, c = tiny_llama()
+    graphs = DecodeCUDAGraphs(model, CPU, max_num_seqs=4, max_model_len=40, block_size=4,
+                              num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+                              dtype=torch.float32)
+    meta = graphs.metadata(2)
+    assert meta.num_splits == graphs.num_splits(2) >= 1
+    assert meta.block_tables.shape == (2, 10)  # room for max_model_len / block_size blocks
+    assert meta.query_start_loc.tolist() == [0, 1, 2]
+    assert meta.is_decode_only and meta.num_seqs == 2
+
+
+def test_load_inputs_rejects_a_table_longer_than_max_model_len():
+    model, c = tiny_llama()
+    graphs = DecodeCUDAGraphs(model, CPU, max_num_seqs=2, max_model_len=8, block_size=4,
+                              num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+                              dtype=torch.float32)
+    with pytest.raises(ValueError, match="block table of 3 blocks is longer than max_model_len"):
+        graphs.load_inputs([1], [9], [9], [10], [[0, 1, 2]])
+
+
+# ------------------------------------------ fused layer kernels (Triton interpreter on CPU)
+
+
+
+@needs_interpreter
+def test_rotary_cos_sin_cache_matches_the_torch_rotation():
+    rotary = RotaryEmbedding(head_dim=32, max_position=64, theta=10000.0)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(5, 4, 32, generator=g)
+    k = torch.randn(5, 2, 32, generator=g)
+    positions = torch.tensor([0, 3, 17, 40, 63])
+    want_q, want_k = rotary(positions, q, k)  # CPU tensors: the torch path
+    got_q, got_k = q.clone(), k.clone()
+    triton_ops.triton_rotary_embedding(positions, got_q, got_k, rotary.cos_sin_cache(CPU))
+    torch.testing.assert_close(got_q, want_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_k, want_k, rtol=1e-5, atol=1e-5)
+
+
+@needs_interpreter
+def test_rms_norm_kernel_matches_the_layer_with_and_without_residual():
+    norm = RMSNorm(48, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(2))
+    x, r = torch.randn(6, 48), torch.randn(6, 48)
+    torch.testing.assert_close(triton_ops.triton_rms_norm(x, norm.weight, 1e-5), norm(x))
+    got, got_res = triton_ops.triton_rms_norm(x, norm.weight, 1e-5, r)
+    want, want_res = norm(x, r)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_res, want_res)
+
+
+def test_memory_reserve_covers_the_pool_and_every_graph():
+    model, c = tiny_llama()
+    graphs = DecodeCUDAGraphs(model, CPU, max_num_seqs=32, max_model_len=64, block_size=4,
+                              num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+                              dtype=torch.float32)
+    per_graph = graphs.memory_reserve(0) // len(graphs.sizes)
+    assert per_graph > 0
+    assert graphs.memory_reserve(5 << 20) == (5 << 20) + per_graph * len(graphs.sizes)
+    fewer = DecodeCUDAGraphs(model, CPU, max_num_seqs=4, max_model_len=64, block_size=4,
+                             num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+                             dtype=torch.float32)
+    assert fewer.memory_reserve(0) < graphs.memory_reserve(0)  # fewer buckets, less memory
