@@ -8,8 +8,8 @@
 #                  `pagedllm bench <workload>` (pagedllm/benchmarks/workloads.py)
 #
 # Environment: OUT (log folder, default ./gpu-check-logs), PYTHON (default python3),
-# GPU_CHECK_STEPS (comma list, default all of the above), GPU_CHECK_PEERS=0 (skip the
-# transformers peers of the benchmarks), GPU_CHECK_MAX_STEP_S (caps every step's time limit). A missing gguf package (the loader imports it) is
+# GPU_CHECK_STEPS (comma list, default all of the above), GPU_CHECK_PEERS (nano | all | 0:
+# which benchmarks also run their transformers peer), GPU_CHECK_MAX_STEP_S (caps every step's time limit). A missing gguf package (the loader imports it) is
 # installed from wheels in .whl/ when they are there. Every step runs under its own time
 # limit and the next one runs whatever happened; a summary table is printed last, and the
 # exit status is 1 when any step failed.
@@ -69,15 +69,16 @@ from pagedllm.entrypoints.cli import main
 sys.exit(main(["bench", *sys.argv[1:]]))
 EOF
 
-PEER=()
-[ "${GPU_CHECK_PEERS:-1}" = 0 ] && PEER=(--no-peer)
+# Peers: nano's (transformers continuous batching, ~3 min) by default; throughput-8b's
+# (~7 min at 8B) only with GPU_CHECK_PEERS=all; none with GPU_CHECK_PEERS=0.
+PEERS=${GPU_CHECK_PEERS:-nano}
 
 run_step kernels 300 "$LOGS/kernels.log" $PY -m pytest -q -p no:cacheprovider tests/test_kernels.py
 run_step kernel-bench 300 "$LOGS/kernel_bench.log" $PY scripts/gpu_kernel_bench.py
 run_step parity 420 "$LOGS/parity.log" $PY scripts/gpu_parity.py --out "$LOGS/parity.json"
 for w in nano decode-8b throughput-8b prefix-8b; do
-    peer=()
-    [ "$w" = nano ] || [ "$w" = throughput-8b ] && peer=("${PEER[@]}")
+    peer=(--no-peer)
+    case "$PEERS,$w" in nano,nano|all,nano|all,throughput-8b|1,nano) peer=(--peer) ;; esac
     run_step "$w" 480 "$LOGS/bench.log" $PY "$WORK/bench.py" "$w" --out "$WORK/$w.json" "${peer[@]}"
     [ -f "$WORK/$w.json" ] && { echo "-- $w.json"; cat "$WORK/$w.json"; } >>"$LOGS/bench.log"
 done

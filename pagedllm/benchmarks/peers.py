@@ -107,7 +107,9 @@ def hf_generate(model: torch.nn.Module, prompts: list[list[int]], max_new_tokens
     return PeerRun(output_tokens=(out.shape[1] - ids.shape[1]) * len(prompts), elapsed_s=elapsed)
 
 
-@torch.inference_mode()
+# no_grad, not inference_mode: transformers' continuous batching updates tensors in place
+# from its own generation thread, where inference tensors may not be modified.
+@torch.no_grad()
 def hf_generate_batch(
     model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int
 ) -> PeerRun:

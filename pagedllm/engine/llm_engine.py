@@ -90,8 +90,9 @@ class LLMEngine:
         prompt_text, ids = self._tokenize(prompt)
         # Without max_tokens a request may run to the end of the context, but it only has to
         # fit the cache with its prompt and first token to be admissible.
-        self._check_fits_cache(ids, params, params.max_tokens or 1)
+        explicit_max_tokens = params.max_tokens
         params = self._resolve_max_tokens(params, len(ids))
+        self._check_fits_cache(ids, params, explicit_max_tokens or 1)
         seq = Sequence(next(self._seq_ids), ids, self.block_size)
         self.detokenizer.start(seq)
         if params.seed is not None:

@@ -47,7 +47,10 @@ class PagedAttentionInputMetadata:
         values = {}
         for f in fields(self):
             v = getattr(self, f.name)
-            values[f.name] = v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+            if isinstance(v, torch.Tensor):
+                # Asynchronous only from (pinned) host memory; GPU -> GPU copies complete.
+                v = v.to(device, non_blocking=v.device.type == "cpu")
+            values[f.name] = v
         return PagedAttentionInputMetadata(**values)
 
     @classmethod

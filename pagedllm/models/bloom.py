@@ -15,7 +15,7 @@ from pagedllm.config import ModelConfig
 from pagedllm.kernels.reference import alibi_slopes
 from pagedllm.layers.attention import PagedAttention
 from pagedllm.layers.metadata import PagedAttentionInputMetadata
-from pagedllm.worker.device_map import DeviceMap
+from pagedllm.worker.device_map import DeviceMap, on_device
 
 MetadataByGroup = (
     list[PagedAttentionInputMetadata] | dict[torch.device, PagedAttentionInputMetadata]
@@ -134,9 +134,11 @@ class BloomForCausalLM(nn.Module):
         for group, meta in zip(device_map.groups, device_map.distribute(metadata)):
             if group.index > 0:  # a boundary of the map: the only place hidden states move
                 hidden = device_map.transfer(hidden, group)
-            for i in group.layers:
-                hidden = self.layers[i](hidden, kv_caches[i], meta)
-        return self.norm(hidden)
+            with on_device(group.device):
+                for i in group.layers:
+                    hidden = self.layers[i](hidden, kv_caches[i], meta)
+        with on_device(hidden.device):
+            return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -18,7 +18,7 @@ from pagedllm.layers.attention import PagedAttention
 from pagedllm.layers.metadata import PagedAttentionInputMetadata
 from pagedllm.layers.norms import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
-from pagedllm.worker.device_map import DeviceMap
+from pagedllm.worker.device_map import DeviceMap, on_device
 
 MetadataByGroup = (
     list[PagedAttentionInputMetadata] | dict[torch.device, PagedAttentionInputMetadata]
@@ -149,9 +149,11 @@ class LlamaForCausalLM(nn.Module):
         for group, meta in zip(device_map.groups, device_map.distribute(metadata)):
             if group.index > 0:  # a boundary of the map: the only place hidden states move
                 hidden, residual = device_map.transfer((hidden, residual), group)
-            for i in group.layers:
-                hidden, residual = self.layers[i](hidden, residual, kv_caches[i], meta)
-        hidden, _ = self.norm(hidden, residual)
+            with on_device(group.device):
+                for i in group.layers:
+                    hidden, residual = self.layers[i](hidden, residual, kv_caches[i], meta)
+        with on_device(hidden.device):  # the final norm may be a Triton kernel too
+            hidden, _ = self.norm(hidden, residual)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

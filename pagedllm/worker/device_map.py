@@ -13,6 +13,8 @@ DeviceMap.transfer, so there is one place to read (and, in tests, to count) them
 """
 from __future__ import annotations
 
+import contextlib
+
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -156,9 +158,10 @@ def _move(value, device: torch.device):
     if isinstance(value, tuple):
         return tuple(_move(v, device) for v in value)
     if isinstance(value, torch.Tensor):
-        # A copy to the host must be complete before CPU code reads it: only copies onto a
-        # CUDA device may be asynchronous.
-        return value.to(device, non_blocking=device.type == "cuda")
+        # Only host -> CUDA copies may be asynchronous: a copy to the host must be complete
+        # before CPU code reads it, and one between two GPUs before the other GPU's stream
+        # reads it.
+        return value.to(device, non_blocking=device.type == "cuda" and value.device.type == "cpu")
     if isinstance(value, PagedAttentionInputMetadata):
         source = value.positions.device
         moved = value.to(device)  # its tensors move non_blocking
@@ -318,3 +321,9 @@ def _fill(
         if start == num_layers:
             return counts
     return None
+
+
+def on_device(device: torch.device):
+    """Make `device` current while a group runs: Triton launches on the current CUDA device,
+    whatever device its tensors are on."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
