@@ -7,7 +7,7 @@ import transformers
 
 from pagedllm.loader import load_model_source
 from pagedllm.models.registry import build_model
-from tests.paged_helpers import PagedRunner
+from tests.paged_helpers import PagedRunner, assert_matches_transformers
 
 # 4 heads is the tiny config; 6 heads exercises ALiBi's slopes for a head count that is not a
 # power of two (the extra interleaved slopes).
@@ -45,31 +45,9 @@ def pair(request, tmp_path_factory):
     return hf, ours, source.config
 
 
-@torch.no_grad()
 def test_prefill_and_paged_decode_match_transformers(pair):
     hf, ours, config = pair
-    runner = PagedRunner(ours, config, num_blocks=64, block_size=4)
-    # Prefill both prompts in one flat batch.
-    logits = runner.step({i: p for i, p in enumerate(PROMPTS)})
-    offset = 0
-    pasts, nexts = [], []
-    for prompt in PROMPTS:
-        ref = hf(torch.tensor([prompt]), use_cache=True)
-        ours_logits = logits[offset: offset + len(prompt)]
-        offset += len(prompt)
-        assert (ours_logits - ref.logits[0]).abs().max().item() <= 1e-4
-        pasts.append(ref.past_key_values)
-        nexts.append(int(ref.logits[0, -1].argmax()))
-    # 16 greedy decode steps through the paged cache, both sequences in each step.
-    for _ in range(16):
-        logits = runner.step({i: [t] for i, t in enumerate(nexts)})
-        for i in range(len(PROMPTS)):
-            ref = hf(torch.tensor([[nexts[i]]]), past_key_values=pasts[i], use_cache=True)
-            assert (logits[i] - ref.logits[0, -1]).abs().max().item() <= 1e-4
-            pasts[i] = ref.past_key_values
-            nexts[i] = int(ref.logits[0, -1].argmax())
-    # The sequences really spanned many scattered blocks.
-    assert all(len(t) >= 7 for t in runner.tables.values())
+    assert_matches_transformers(hf, ours, config, PROMPTS)
 
 
 def test_head_is_tied_to_the_embedding(pair):
