@@ -275,10 +275,9 @@ class LLMEngine:
         for index, seq in enumerate(seqs):
             text = seq.output_text
             visible = len(text) if seq.is_finished() else max(len(text) - holdback, 0)
-            sent_text, sent_tokens = getattr(seq, "_sent", (0, 0))
-            sent_text = min(sent_text, visible)
-            deltas.append((text[sent_text:visible], seq.output_token_ids[sent_tokens:]))
-            seq._sent = (visible, seq.get_output_len())
+            sent_text = min(seq.sent_text_len, visible)
+            deltas.append((text[sent_text:visible], seq.output_token_ids[seq.sent_token_len:]))
+            seq.sent_text_len, seq.sent_token_len = visible, seq.get_output_len()
             outputs.append(
                 CompletionOutput(
                     index=index,

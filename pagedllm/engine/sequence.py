@@ -63,6 +63,9 @@ class Sequence:
         self.prefix_offset = 0
         self.read_offset = 0
         self.generator: torch.Generator | None = None
+        # How much text / how many tokens the last RequestOutput of this sequence carried.
+        self.sent_text_len = 0
+        self.sent_token_len = 0
 
     def get_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
@@ -116,6 +119,8 @@ class Sequence:
         child.tokens = list(self.tokens) if self.tokens is not None else None
         child.prefix_offset = self.prefix_offset
         child.read_offset = self.read_offset
+        child.sent_text_len = self.sent_text_len
+        child.sent_token_len = self.sent_token_len
         return child
 
     def __repr__(self) -> str:
