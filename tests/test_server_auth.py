@@ -8,21 +8,15 @@ import httpx
 import openai
 import pytest
 
-from tests.test_server import ServerProcess
+from tests.test_server import serve
 
 KEY = "sk-test-0123456789"
 
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess(["--api-key", KEY, "--model", "smollm2-135m", "--load-format", "dummy",
-                         "--num-gpu-blocks-override", "32", "--swap-space", "0.01"])
-    try:
-        srv.wait_ready()
-        yield srv
-    finally:
-        srv.close()
-    assert "Traceback" not in srv.read_stderr()
+    yield from serve(["--api-key", KEY, "--model", "smollm2-135m", "--load-format", "dummy",
+                      "--num-gpu-blocks-override", "32", "--swap-space", "0.01"])
 
 
 V1_REQUESTS = [

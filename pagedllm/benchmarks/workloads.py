@@ -337,6 +337,22 @@ THROUGHPUT_COLUMNS = [
 # ----------------------------------------------------------------------------- workloads
 
 
+def _continuous_batching_peer(args: argparse.Namespace, prompts: list[list[int]],
+                              max_new_tokens: int) -> Callable[[], peers.PeerRun]:
+    """transformers' continuous batching on the same prompts, loaded only when it runs."""
+    def peer() -> peers.PeerRun:
+        model = peers.load_peer_model(args.model, args.load_format,
+                                      _dtype(args.dtype, args.device), args.device,
+                                      attn_implementation="paged|sdpa")
+        try:
+            return peers.hf_generate_batch(model, prompts, max_new_tokens)
+        finally:
+            del model
+            free_memory()
+
+    return peer
+
+
 def bench_cpu(args: argparse.Namespace) -> Report:
     rng = random.Random(args.seed)
     llm = make_llm(args)
@@ -393,17 +409,8 @@ def bench_nano(args: argparse.Namespace) -> Report:
     del llm
     free_memory()
     if args.peer:
-        def peer() -> peers.PeerRun:
-            model = peers.load_peer_model(args.model, args.load_format,
-                                          _dtype(args.dtype, args.device), args.device,
-                                          attn_implementation="paged|sdpa")
-            try:
-                return peers.hf_generate_batch(model, prompts, fixed_len)
-            finally:
-                del model
-                free_memory()
-
-        runs.append(run_peer(f"transformers CB (greedy, {fixed_len} out)", peer, len(prompts),
+        runs.append(run_peer(f"transformers CB (greedy, {fixed_len} out)",
+                             _continuous_batching_peer(args, prompts, fixed_len), len(prompts),
                              input_tokens))
         summary["peer_output_len"] = fixed_len
         summary["ratio"] = _ratio(runs[1], runs[2])
@@ -492,17 +499,8 @@ def bench_throughput(args: argparse.Namespace) -> Report:
     summary: dict[str, Any] = {"prompts": "random token ids in [0, 10000)",
                                "num_preemptions": preemptions}
     if args.peer:
-        def peer() -> peers.PeerRun:
-            model = peers.load_peer_model(args.model, args.load_format,
-                                          _dtype(args.dtype, args.device), args.device,
-                                          attn_implementation="paged|sdpa")
-            try:
-                return peers.hf_generate_batch(model, prompts, n_out)
-            finally:
-                del model
-                free_memory()
-
-        runs.append(run_peer("transformers CB", peer, len(prompts), ours.input_tokens))
+        runs.append(run_peer("transformers CB", _continuous_batching_peer(args, prompts, n_out),
+                             len(prompts), ours.input_tokens))
         summary["ratio"] = _ratio(runs[0], runs[1])
     return Report("throughput-8b", WORKLOADS["throughput-8b"].description, runs, summary,
                   THROUGHPUT_COLUMNS)

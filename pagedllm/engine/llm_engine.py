@@ -12,8 +12,6 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import torch
-
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.detokenizer import Detokenizer, find_stop_string
@@ -214,11 +212,8 @@ class LLMEngine:
         params = group.sampling_params
         top = None
         if params.logprobs is not None:
-            top = {t: Logprob(lp, None, self._decode_one(t)) for t, lp in sample.top_logprobs.items()}
-            ranks = sorted(top, key=lambda t: -top[t].logprob)
-            for r, t in enumerate(ranks, start=1):
-                top[t].rank = r
-            top[sample.token_id] = Logprob(sample.logprob, sample.rank, self._decode_one(sample.token_id))
+            top = self._logprob_entry(sample.top_logprobs, sample.token_id, sample.logprob,
+                                      sample.rank)
         seq.append_token(sample.token_id, sample.logprob, top)
         new_text = ""
         if self.stream_outputs or params.stop:
@@ -257,11 +252,16 @@ class LLMEngine:
         if group.prompt_logprobs is None:
             group.prompt_logprobs = [None]  # the first prompt token has no logprob
         for (lp, rank, top), token in zip(chunk, group.prompt_token_ids[len(group.prompt_logprobs):]):
-            entry = {t: Logprob(v, None, self._decode_one(t)) for t, v in top.items()}
-            for r, t in enumerate(sorted(entry, key=lambda t: -entry[t].logprob), start=1):
-                entry[t].rank = r
-            entry[token] = Logprob(lp, rank, self._decode_one(token))
-            group.prompt_logprobs.append(entry)
+            group.prompt_logprobs.append(self._logprob_entry(top, token, lp, rank))
+
+    def _logprob_entry(
+        self, top: dict[int, float], token: int, logprob: float, rank: int
+    ) -> dict[int, Logprob]:
+        """The top-k alternatives ranked 1..k, plus the token actually there."""
+        ordered = sorted(top, key=lambda t: -top[t])
+        entry = {t: Logprob(top[t], r, self._decode_one(t)) for r, t in enumerate(ordered, 1)}
+        entry[token] = Logprob(logprob, rank, self._decode_one(token))
+        return entry
 
     # ------------------------------------------------------------------ outputs
     def _make_output(self, group: SequenceGroup) -> RequestOutput:

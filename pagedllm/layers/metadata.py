@@ -68,22 +68,29 @@ class PagedAttentionInputMetadata:
         starts = [0]
         for q in query_lens:
             starts.append(starts[-1] + q)
-        pin = torch.device(device).type == "cuda"
-
-        def tensor(data, dtype):
-            t = torch.tensor(data, dtype=dtype)
-            if pin:
-                t = t.pin_memory()
-            return t.to(device, non_blocking=True)
-
+        device = torch.device(device)
         return cls(
-            positions=tensor(positions, torch.int64),
-            slot_mapping=tensor(slot_mapping, torch.int64),
-            query_start_loc=tensor(starts, torch.int32),
-            seq_lens=tensor(seq_lens, torch.int32),
-            block_tables=tensor(padded, torch.int32).reshape(len(padded), max_blocks),
+            positions=host_to_device(positions, torch.int64, device),
+            slot_mapping=host_to_device(slot_mapping, torch.int64, device),
+            query_start_loc=host_to_device(starts, torch.int32, device),
+            seq_lens=host_to_device(seq_lens, torch.int32, device),
+            block_tables=host_to_device(padded, torch.int32, device).reshape(
+                len(padded), max_blocks),
             max_query_len=max(query_lens, default=0),
             max_seq_len=max(seq_lens, default=0),
             query_lens_host=list(query_lens),
             seq_lens_host=list(seq_lens),
         )
+
+
+def host_to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a device tensor, through pinned memory without blocking the host."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
+def slots_for(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """Flat cache slots of token positions [start, end) of a sequence with this block table."""
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]

@@ -15,7 +15,7 @@ from torch import nn
 
 from pagedllm.engine.scheduler import SchedulerOutput
 from pagedllm.engine.sequence import SequenceGroup, SequenceStatus
-from pagedllm.layers.metadata import PagedAttentionInputMetadata
+from pagedllm.layers.metadata import PagedAttentionInputMetadata, host_to_device, slots_for
 from pagedllm.layers.sampler import Sampler, SampleResult, SamplingRow, compute_prompt_logprobs
 from pagedllm.worker.cuda_graphs import DecodeCUDAGraphs
 
@@ -57,14 +57,6 @@ class StepResult:
     prompt_logprobs: dict[str, list[tuple[float, int, dict[int, float]]]]
 
 
-def to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list as a device tensor, through pinned memory without blocking the host."""
-    t = torch.tensor(values, dtype=dtype)
-    if device.type == "cuda":
-        t = t.pin_memory()
-    return t.to(device, non_blocking=True)
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -104,7 +96,7 @@ class ModelRunner:
                 first = len(b.input_ids)
                 b.input_ids += tokens[start: start + chunk]
                 b.positions += range(start, start + chunk)
-                b.slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, start + chunk)]
+                b.slot_mapping += slots_for(table, start, start + chunk, bs)
                 b.query_lens.append(chunk)
                 b.seq_lens.append(start + chunk)
                 b.block_tables.append(table)
@@ -130,7 +122,7 @@ class ModelRunner:
             b.positions, b.slot_mapping, b.query_lens, b.seq_lens, b.block_tables,
             device=self.input_device,
         )
-        input_ids = to_device(b.input_ids, torch.long, self.input_device)
+        input_ids = host_to_device(b.input_ids, torch.long, self.input_device)
         return ModelInput(input_ids, {self.input_device: meta})
 
     @staticmethod
@@ -179,4 +171,4 @@ class ModelRunner:
     def _select_rows(hidden: torch.Tensor, indices: list[int]) -> torch.Tensor:
         if indices == list(range(hidden.shape[0])):  # decode: every row, in order
             return hidden
-        return hidden.index_select(0, to_device(indices, torch.long, hidden.device))
+        return hidden.index_select(0, host_to_device(indices, torch.long, hidden.device))

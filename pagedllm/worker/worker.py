@@ -10,7 +10,7 @@ from torch import nn
 
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.scheduler import SchedulerOutput
-from pagedllm.layers.metadata import PagedAttentionInputMetadata
+from pagedllm.layers.metadata import PagedAttentionInputMetadata, slots_for
 from pagedllm.loader import initialize_dummy_weights, load_model_source
 from pagedllm.models.registry import build_model
 from pagedllm.worker import memory
@@ -195,7 +195,7 @@ class Worker:
             next_block += len(blocks)
             tables.append(blocks)
             positions += range(n)
-            slots += [blocks[p // bs] * bs + p % bs for p in range(n)]
+            slots += slots_for(blocks, 0, n, bs)
         meta = PagedAttentionInputMetadata.build(positions, slots, lens, lens, tables,
                                                  device=self.device_map.layer_devices[0])
         metadata = self.device_map.distribute(meta)
