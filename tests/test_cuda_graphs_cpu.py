@@ -15,6 +15,7 @@ from pagedllm.layers.norms import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.loader import initialize_dummy_weights
 from pagedllm.models.registry import build_model
+from pagedllm.worker.device_map import DeviceMap
 from pagedllm.worker.cuda_graphs import (
     MAX_GRAPH_BATCH_SIZE,
     PAD_SEQ_LEN,
@@ -74,12 +75,12 @@ def test_only_decode_steps_that_fit_replay_a_graph():
     assert not fits_decode_graph(0, 0, 0, 8)  # nothing to run
 
 
-def test_graphs_need_one_cuda_device_and_no_enforce_eager():
+def test_graphs_need_every_layer_on_cuda_and_no_enforce_eager():
     assert graphs_supported([CUDA] * 4, enforce_eager=False)
+    assert graphs_supported([CUDA, torch.device("cuda", 1)], enforce_eager=False)
     assert not graphs_supported([CUDA] * 4, enforce_eager=True)
     assert not graphs_supported([CPU] * 4, enforce_eager=False)
     assert not graphs_supported([CUDA, CUDA, CPU], enforce_eager=False)
-    assert not graphs_supported([CUDA, torch.device("cuda", 1)], enforce_eager=False)
 
 
 # ------------------------------------------------------------------------- padding
@@ -118,8 +119,18 @@ def tiny_llama():
     return model.eval(), config
 
 
+def make_graphs(model, c, max_num_seqs, max_model_len, block_size=4, spec=None):
+    device_map = (DeviceMap.parse(spec, c.num_hidden_layers) if spec
+                  else DeviceMap.single(CPU, c.num_hidden_layers))
+    return DecodeCUDAGraphs(model, device_map, max_num_seqs=max_num_seqs,
+                            max_model_len=max_model_len, block_size=block_size,
+                            num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+                            dtype=torch.float32)
+
+
 @needs_interpreter
-def test_padded_static_forward_matches_the_eager_rows_and_cache(monkeypatch):
+@pytest.mark.parametrize("spec", [None, "cpu:1,cpu:1"])
+def test_padded_static_forward_matches_the_eager_rows_and_cache(monkeypatch, spec):
     """What a graph replays, run eagerly through the Triton attention (which, unlike the
     reference, reads lengths from device tensors only): same hidden rows as the plain eager
     forward, same cache, and the padding row writes nothing."""
@@ -142,9 +153,8 @@ def test_padded_static_forward_matches_the_eager_rows_and_cache(monkeypatch):
         expected = model(torch.tensor(ids), eager_caches, {CPU: meta})
 
     # A long max_model_len: the graph's fixed split count differs from the eager choice.
-    graphs = DecodeCUDAGraphs(model, CPU, max_num_seqs=8, max_model_len=1024,
-                              block_size=block_size, num_kv_heads=c.num_key_value_heads,
-                              head_dim=c.head_dim, dtype=torch.float32)
+    graphs = make_graphs(model, c, max_num_seqs=8, max_model_len=1024, block_size=block_size,
+                         spec=spec)
     assert graphs.num_splits(4) > 1
     static_caches = [x.clone() for x in caches]
     bucket = graphs.load_inputs(ids, positions, slots, seq_lens, tables)
@@ -153,6 +163,7 @@ def test_padded_static_forward_matches_the_eager_rows_and_cache(monkeypatch):
         got = graphs._forward(bucket, static_caches)
 
     assert got.shape == (4, c.hidden_size)
+    assert len(graphs.states) == (1 if spec else 0)  # a second group starts from static state
     torch.testing.assert_close(got[:3], expected, rtol=1e-5, atol=1e-5)
     assert torch.isfinite(got).all()  # the padding row reads finite values
     for a, b in zip(static_caches, eager_caches):
@@ -161,9 +172,7 @@ def test_padded_static_forward_matches_the_eager_rows_and_cache(monkeypatch):
 
 def test_graph_metadata_fixes_the_split_count_per_bucket():
     model, c = tiny_llama()
-    graphs = DecodeCUDAGraphs(model, CPU, max_num_seqs=4, max_model_len=40, block_size=4,
-                              num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
-                              dtype=torch.float32)
+    graphs = make_graphs(model, c, max_num_seqs=4, max_model_len=40)
     meta = graphs.metadata(2)
     assert meta.num_splits == graphs.num_splits(2) >= 1
     assert meta.block_tables.shape == (2, 10)  # room for max_model_len / block_size blocks
@@ -173,9 +182,7 @@ def test_graph_metadata_fixes_the_split_count_per_bucket():
 
 def test_load_inputs_rejects_a_table_longer_than_max_model_len():
     model, c = tiny_llama()
-    graphs = DecodeCUDAGraphs(model, CPU, max_num_seqs=2, max_model_len=8, block_size=4,
-                              num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
-                              dtype=torch.float32)
+    graphs = make_graphs(model, c, max_num_seqs=2, max_model_len=8)
     with pytest.raises(ValueError, match="block table of 3 blocks is longer than max_model_len"):
         graphs.load_inputs([1], [9], [9], [10], [[0, 1, 2]])
 
@@ -213,13 +220,20 @@ def test_rms_norm_kernel_matches_the_layer_with_and_without_residual():
 
 def test_memory_reserve_covers_the_pool_and_every_graph():
     model, c = tiny_llama()
-    graphs = DecodeCUDAGraphs(model, CPU, max_num_seqs=32, max_model_len=64, block_size=4,
-                              num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
-                              dtype=torch.float32)
-    per_graph = graphs.memory_reserve(0) // len(graphs.sizes)
+    graphs = make_graphs(model, c, max_num_seqs=32, max_model_len=64)
+    per_graph = graphs.memory_reserve(CPU, 0) // len(graphs.sizes)
     assert per_graph > 0
-    assert graphs.memory_reserve(5 << 20) == (5 << 20) + per_graph * len(graphs.sizes)
-    fewer = DecodeCUDAGraphs(model, CPU, max_num_seqs=4, max_model_len=64, block_size=4,
-                             num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
-                             dtype=torch.float32)
-    assert fewer.memory_reserve(0) < graphs.memory_reserve(0)  # fewer buckets, less memory
+    assert graphs.memory_reserve(CPU, 5 << 20) == (5 << 20) + per_graph * len(graphs.sizes)
+    fewer = make_graphs(model, c, max_num_seqs=4, max_model_len=64)
+    assert fewer.memory_reserve(CPU, 0) < graphs.memory_reserve(CPU, 0)  # fewer buckets, less memory
+
+
+def test_load_inputs_takes_input_ids_already_on_the_device():
+    """Multi-step feeds the last step's samples (a tensor) as the next input ids."""
+    model, c = tiny_llama()
+    graphs = make_graphs(model, c, max_num_seqs=4, max_model_len=16)
+    graphs.load_inputs([7, 8, 9], [0, 0, 0], [0, 4, 8], [1, 1, 1], [[0], [1], [2]])
+    bucket = graphs.load_inputs(torch.tensor([5, 6]), [1, 1], [1, 5], [2, 2], [[0], [1]])
+    assert bucket == 2
+    assert graphs.input_ids[:2].tolist() == [5, 6]
+    assert graphs.static_metadata[CPU].slot_mapping[:2].tolist() == [1, 5]

@@ -140,3 +140,54 @@ def test_chat_uses_the_chat_template(default_llm):
     template = default_llm.get_tokenizer().apply_chat_template(
         messages, tokenize=False, add_generation_prompt=True)
     assert out.prompt_token_ids == default_llm.get_tokenizer().encode(template)
+
+
+def test_multi_step_decoding_gives_the_single_step_results(default_llm, monkeypatch):
+    """Decode steps run back to back (samples fed to the next step on the device) give the
+    tokens, logprobs and stops of one scheduling step per token; samples past a stop are
+    dropped; every lookahead block comes back."""
+    prompts = [PROMPT, "Hello", "The capital of France is", "Count: 1, 2, 3, 4,"]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=19, logprobs=2),
+        SamplingParams(temperature=0.8, top_p=0.9, max_tokens=13, seed=5),
+        SamplingParams(temperature=0.0, max_tokens=40, stop=["."]),
+        SamplingParams(temperature=0.0, max_tokens=7),
+    ]
+    engine = default_llm.engine
+    monkeypatch.setattr(engine, "num_scheduler_steps", 1)
+    single = default_llm.generate(prompts, params, use_tqdm=False)
+    runs = []
+    execute = engine.worker.execute_multi_step
+    monkeypatch.setattr(engine.worker, "execute_multi_step",
+                        lambda out, n: runs.append(n) or execute(out, n))
+    monkeypatch.setattr(engine, "num_scheduler_steps", 4)
+    multi = default_llm.generate(prompts, params, use_tqdm=False)
+    assert runs and set(runs) == {4}
+    assert single[2].outputs[0].finish_reason == "stop"  # the stop string case stops early
+    for a, b in zip(single, multi):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert b.outputs[0].text == a.outputs[0].text
+        assert b.outputs[0].finish_reason == a.outputs[0].finish_reason
+        assert b.outputs[0].cumulative_logprob == pytest.approx(a.outputs[0].cumulative_logprob,
+                                                                abs=1e-4)
+    for got, want in zip(multi[0].outputs[0].logprobs, single[0].outputs[0].logprobs):
+        assert got.keys() == want.keys()
+        for token, entry in got.items():
+            assert entry.rank == want[token].rank
+            assert entry.logprob == pytest.approx(want[token].logprob, abs=1e-4)
+    _no_leaks(default_llm)
+
+
+def test_requests_that_read_their_own_output_decode_one_step_at_a_time(default_llm, monkeypatch):
+    engine = default_llm.engine
+    monkeypatch.setattr(engine, "num_scheduler_steps", 4)
+    runs = []
+    execute = engine.worker.execute_multi_step
+    monkeypatch.setattr(engine.worker, "execute_multi_step",
+                        lambda out, n: runs.append(n) or execute(out, n))
+    for params in (SamplingParams(temperature=0.0, max_tokens=6, repetition_penalty=1.2),
+                   SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6),
+                   SamplingParams(temperature=0.0, max_tokens=6, n=2)):
+        default_llm.generate(PROMPT, params, use_tqdm=False)
+    assert runs == []
+    _no_leaks(default_llm)

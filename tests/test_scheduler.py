@@ -387,3 +387,34 @@ def test_the_scheduler_benchmark_reports_a_decode_step():
     assert 0 < r.cpu_p50_us and 0 < r.cpu_mean_us
     with pytest.raises(ValueError, match="num_waiting must be non-negative, got -1"):
         run_scheduler_bench(num_seqs=1, num_waiting=-1)
+
+
+def test_lookahead_slots_cover_the_multi_step_tokens_and_come_back():
+    scheduler = make_scheduler(num_gpu_blocks=8)
+    a = add(scheduler, [1] * 6)
+    b = add(scheduler, [2] * 3)
+    step(scheduler)  # prefill: each samples its first token (lengths 7 and 4)
+    out = scheduler.schedule()  # a decode of one token each
+    bm = scheduler.block_manager
+    free = bm.get_num_free_gpu_blocks()
+    # 5 tokens past the one this step computes: a covers 7 + 5 = 12 tokens (3 blocks),
+    # b covers 4 + 5 = 9 (3 blocks).
+    assert scheduler.reserve_lookahead(out, 5)
+    assert [len(out.block_tables[g.get_seqs()[0].seq_id]) for g in (a, b)] == [3, 3]
+    assert bm.get_num_free_gpu_blocks() == free - 3
+    bm.check_invariants()
+    # The engine appends the samples of all six steps, then counts them computed.
+    for g in (a, b):
+        for _ in range(6):
+            g.get_seqs()[0].append_token(3)
+    scheduler.on_step_done(out, num_steps=6)
+    assert [g.get_seqs()[0].num_computed_tokens for g in (a, b)] == [12, 9]
+    out = scheduler.schedule()  # a's 13th token needs a 4th block
+    assert chunks(out) == {a.request_id: (1, True), b.request_id: (1, True)}
+    assert bm.get_num_free_gpu_blocks() == free - 4
+    # Too many for the pool: nothing is reserved.
+    assert not scheduler.reserve_lookahead(out, 40)
+    assert bm.get_num_free_gpu_blocks() == free - 4
+    finish(scheduler, a)
+    finish(scheduler, b)
+    assert bm.get_num_free_gpu_blocks() == bm.num_total_gpu_blocks

@@ -141,6 +141,8 @@ def build_parser(workload: Workload) -> argparse.ArgumentParser:
     p.add_argument("--device", default="cuda" if w.needs_cuda else "cpu")
     p.add_argument("--device-map", default=None)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--num-scheduler-steps", type=int, default=None,
+                   help="decode steps per scheduling step (default: 8 on CUDA, 1 on CPU)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--kv-cache-memory", default=None, help="bytes for the KV cache on the CPU")
@@ -261,6 +263,7 @@ def engine_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
     kwargs = dict(
         load_format=args.load_format, dtype=args.dtype, device=args.device,
         device_map=args.device_map, seed=args.seed, enforce_eager=args.enforce_eager,
+        num_scheduler_steps=args.num_scheduler_steps,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
     )

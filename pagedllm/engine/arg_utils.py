@@ -30,6 +30,9 @@ class EngineArgs:
     swap_space: float = 1.0  # GiB of host memory for swapped-out blocks
     num_gpu_blocks_override: int | None = None
     enforce_eager: bool = False
+    # Decode steps run back to back per scheduling step (samples stay on the device);
+    # None: 8 on CUDA, 1 on the CPU (where the host's per-step work is small next to the model).
+    num_scheduler_steps: int | None = None
     disable_log_stats: bool = True
 
     def __post_init__(self) -> None:
@@ -37,6 +40,13 @@ class EngineArgs:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two up to 128, got {self.block_size}")
+        if self.num_scheduler_steps is not None and (
+            isinstance(self.num_scheduler_steps, bool)
+            or not isinstance(self.num_scheduler_steps, int) or self.num_scheduler_steps < 1
+        ):
+            raise ValueError(
+                f"num_scheduler_steps must be an integer >= 1, got {self.num_scheduler_steps!r}"
+            )
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(
                 f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}"
@@ -71,6 +81,8 @@ class EngineArgs:
         g.add_argument("--swap-space", type=float, default=1.0, help="GiB")
         g.add_argument("--num-gpu-blocks-override", type=int, default=None)
         g.add_argument("--enforce-eager", action="store_true")
+        g.add_argument("--num-scheduler-steps", type=int, default=None,
+                       help="decode steps per scheduling step (default: 8 on CUDA, 1 on CPU)")
         return parser
 
     @classmethod

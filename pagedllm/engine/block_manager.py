@@ -243,6 +243,22 @@ class BlockSpaceManager:
             numbers[i] = new.block_number
         return copies
 
+    def num_lookahead_blocks(self, seq: Sequence, num_tokens: int) -> int:
+        """New blocks that `reserve_lookahead(seq, num_tokens)` would take."""
+        return max(0, _cdiv(seq.get_len() + num_tokens, self.block_size)
+                   - len(self._gpu_table(seq)))
+
+    def reserve_lookahead(self, seq: Sequence, num_tokens: int) -> None:
+        """Multi-step: extend the table over `num_tokens` tokens past the sequence's end, the
+        slots of tokens it will sample and compute before the host sees them. New blocks
+        are the sequence's own (ref count 1); they are freed with it."""
+        table = self._gpu_table(seq)
+        numbers = self.block_number_tables[seq.seq_id]
+        while len(table) < _cdiv(seq.get_len() + num_tokens, self.block_size):
+            block = self.gpu_allocator.allocate()
+            table.append(block)
+            numbers.append(block.block_number)
+
     def fork(self, parent_seq: Sequence, child_seq: Sequence) -> None:
         """The child shares every block of the parent."""
         table = self._gpu_table(parent_seq)

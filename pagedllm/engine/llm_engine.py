@@ -70,6 +70,10 @@ class LLMEngine:
         # (LLM.generate) only wants finished requests, and text once at the end, which
         # saves a detokenization per sequence per step.
         self.stream_outputs = True
+        steps = args.num_scheduler_steps
+        if steps is None:
+            steps = 8 if self.worker.device_map.input_device.type == "cuda" else 1
+        self.num_scheduler_steps = steps
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -161,17 +165,20 @@ class LLMEngine:
 
     # --------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
+        num_steps = self._multi_step_size()
         out = self.scheduler.schedule()
+        if num_steps > 1 and not self._can_multi_step(out, num_steps):
+            num_steps = 1
         outputs = [self._ignored_output(g) for g in out.ignored_seq_groups]
         self.worker.apply_cache_ops(out)
-        if out.scheduled_seq_groups:
+        if out.scheduled_seq_groups and num_steps > 1:
+            self._run_multi_step(out, num_steps, outputs)
+        elif out.scheduled_seq_groups:
             result = self.worker.execute(out)
             self.scheduler.on_step_done(out)
             now = time.monotonic()
             for scheduled in out.scheduled_seq_groups:
                 group = scheduled.seq_group
-                if group.metrics.first_scheduled_time is None:
-                    group.metrics.first_scheduled_time = now
                 chunk_logprobs = result.prompt_logprobs.get(group.request_id)
                 if chunk_logprobs is not None:
                     self._append_prompt_logprobs(group, chunk_logprobs)
@@ -186,6 +193,60 @@ class LLMEngine:
             if o.finished:
                 self.requests.pop(o.request_id, None)
         return outputs
+
+    # ------------------------------------------------------------- multi-step
+    def _multi_step_size(self) -> int:
+        """Decode steps the next scheduling step may run back to back: 1 unless every
+        running request is decoding one sequence whose sampling reads nothing of its own
+        output (penalties, a pending min_tokens), none is swapped out, and no waiting request
+        could start now (the batch is full). Capped so no sequence passes max_model_len."""
+        num_steps = self.num_scheduler_steps
+        scheduler = self.scheduler
+        if num_steps <= 1 or scheduler.swapped or not scheduler.running:
+            return 1
+        if scheduler.waiting and len(scheduler.running) < self.scheduler_config.max_num_seqs:
+            return 1
+        for group in scheduler.running:
+            if len(group.seqs_dict) != 1 or group.max_num_samples != 1:
+                return 1
+            seq = next(iter(group.seqs_dict.values()))
+            p = group.sampling_params
+            if (seq.num_uncomputed_tokens != 1 or p.repetition_penalty != 1.0
+                    or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+                    or seq.get_output_len() < p.min_tokens):
+                return 1
+            room = self.max_model_len - seq.get_len() + 1
+            if room < num_steps:
+                num_steps = room
+        return max(num_steps, 1)
+
+    def _can_multi_step(self, out, num_steps: int) -> bool:
+        """The schedule is the plain decode of every running request (nothing preempted,
+        copied or swapped), and the lookahead slots fit (then they are reserved)."""
+        plain = (
+            not out.ignored_seq_groups and out.num_preempted == 0 and not out.blocks_to_copy
+            and not out.blocks_to_swap_in and not out.blocks_to_swap_out
+            and len(out.scheduled_seq_groups) == len(self.scheduler.running)
+            and all(s.token_chunk_size == 1 and s.do_sample for s in out.scheduled_seq_groups)
+        )
+        return plain and self.scheduler.reserve_lookahead(out, num_steps - 1)
+
+    def _run_multi_step(self, out, num_steps: int, outputs: list[RequestOutput]) -> None:
+        """Append each step's samples in order, up to each sequence's stop (later samples of
+        a finished sequence are dropped), then count the computed tokens."""
+        results = self.worker.execute_multi_step(out, num_steps)
+        now = time.monotonic()
+        for scheduled in out.scheduled_seq_groups:
+            group = scheduled.seq_group
+            (seq,) = group.seqs_dict.values()  # multi-step groups hold one sequence
+            for result in results:
+                self._append(seq, result.samples[seq.seq_id][0], group)
+                if seq.is_finished():
+                    break
+            self._record_token_times(group, now)
+            if self.stream_outputs or seq.is_finished():
+                outputs.append(self._make_output(group))
+        self.scheduler.on_step_done(out, num_steps)
 
     def _process_samples(
         self, scheduled: ScheduledSequenceGroup, samples: dict[int, list[SampleResult]], now: float
@@ -202,6 +263,10 @@ class LLMEngine:
                 self.scheduler.fork_seq(seq, child)
                 self._append(child, extra, group)
             self._append(seq, results[0], group)
+        self._record_token_times(group, now)
+
+    @staticmethod
+    def _record_token_times(group: SequenceGroup, now: float) -> None:
         if group.metrics.first_token_time is None:
             group.metrics.first_token_time = now
         group.metrics.last_token_time = now

@@ -23,10 +23,9 @@ from dataclasses import dataclass, field
 
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.engine.block_manager import AllocStatus, BlockSpaceManager
-from pagedllm.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedllm.engine.sequence import FINISHED_STATUSES, Sequence, SequenceGroup, SequenceStatus
 
 RUNNING = SequenceStatus.RUNNING
-FINISHED_STATUSES = frozenset(s for s in SequenceStatus if s.is_finished)
 
 
 @dataclass(slots=True)
@@ -194,11 +193,26 @@ class Scheduler:
             self._schedule_waiting(out, num_seqs)
         return out
 
-    def on_step_done(self, out: SchedulerOutput) -> None:
-        """The model ran `out`: its chunks now have K/V in the cache."""
+    def reserve_lookahead(self, out: SchedulerOutput, num_tokens: int) -> bool:
+        """Multi-step: blocks for `num_tokens` more tokens of every scheduled sequence, past
+        the one this step computes. False, reserving nothing, when they do not all fit."""
+        bm = self.block_manager
+        seqs = [seq for scheduled in out.scheduled_seq_groups
+                for seq in scheduled.seq_group.seqs_dict.values() if seq.status is RUNNING]
+        needed = sum(bm.num_lookahead_blocks(seq, num_tokens) for seq in seqs)
+        if needed > bm.get_num_free_gpu_blocks():
+            return False
+        for seq in seqs:
+            bm.reserve_lookahead(seq, num_tokens)
+        return True
+
+    def on_step_done(self, out: SchedulerOutput, num_steps: int = 1) -> None:
+        """The model ran `out` (`num_steps` times in multi-step, where every chunk is one
+        decode token and the engine appended the samples first): its tokens now have K/V in
+        the cache."""
         mark_blocks_computed = self.block_manager.mark_blocks_computed
         for scheduled in out.scheduled_seq_groups:
-            chunk = scheduled.token_chunk_size
+            chunk = scheduled.token_chunk_size * num_steps
             for seq in scheduled.seq_group.seqs_dict.values():
                 if seq.status is RUNNING:
                     seq.num_computed_tokens += chunk

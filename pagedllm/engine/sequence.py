@@ -24,11 +24,18 @@ class SequenceStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self.name.startswith("FINISHED")
+        return self in FINISHED_STATUSES
 
     @property
     def finish_reason(self) -> str | None:
         return self.value if self.is_finished else None
+
+
+# A set, not a name test: checked for every sequence on every step.
+FINISHED_STATUSES = frozenset({
+    SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
+    SequenceStatus.FINISHED_ABORTED, SequenceStatus.FINISHED_IGNORED,
+})
 
 
 @dataclass
@@ -70,6 +77,15 @@ class Sequence:
     def get_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Token ids [start, end) of prompt + output, without copying the whole sequence."""
+        p = len(self.prompt_token_ids)
+        if start >= p:
+            return self.output_token_ids[start - p: end - p]
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
     def get_len(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
@@ -106,7 +122,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
 
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        return self.status in FINISHED_STATUSES
 
     def fork(self, new_seq_id: int) -> "Sequence":
         child = Sequence(new_seq_id, self.prompt_token_ids, self.block_size)

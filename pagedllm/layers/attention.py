@@ -71,5 +71,6 @@ class PagedAttention(nn.Module):
                          num_splits=meta.num_splits)
         else:
             reference.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-            out = reference.paged_attention(q, kv_cache, meta, self.scale, self.sliding_window, alibi)
+            out = reference.paged_attention(q, kv_cache, meta, self.scale, self.sliding_window,
+                                            alibi, key=k, value=v)
         return out.reshape(-1, self.num_heads * self.head_dim)

@@ -13,9 +13,13 @@ at offset t % block_size; its flat slot is block * block_size + offset.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, fields
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -42,6 +46,15 @@ class PagedAttentionInputMetadata:
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
 
+    def step_cache(self, key: Hashable, compute: Callable[[], T]) -> T:
+        """Work that is the same for every layer of the step (the CPU attention plan, the
+        rotary rows of the step's positions): the first layer that asks computes it, the
+        others reuse it. Not a field, so `to()` leaves it behind with the old device."""
+        cache = self.__dict__.setdefault("_step_cache", {})
+        if key not in cache:
+            cache[key] = compute()
+        return cache[key]
+
     def to(self, device: torch.device | str) -> "PagedAttentionInputMetadata":
         """A copy whose tensors live on `device` (one copy per device per step)."""
         values = {}
@@ -63,8 +76,6 @@ class PagedAttentionInputMetadata:
         block_tables: list[list[int]],
         device: torch.device | str = "cpu",
     ) -> "PagedAttentionInputMetadata":
-        max_blocks = max((len(b) for b in block_tables), default=0)
-        padded = [b + [0] * (max_blocks - len(b)) for b in block_tables]
         starts = [0]
         for q in query_lens:
             starts.append(starts[-1] + q)
@@ -74,8 +85,7 @@ class PagedAttentionInputMetadata:
             slot_mapping=host_to_device(slot_mapping, torch.int64, device),
             query_start_loc=host_to_device(starts, torch.int32, device),
             seq_lens=host_to_device(seq_lens, torch.int32, device),
-            block_tables=host_to_device(padded, torch.int32, device).reshape(
-                len(padded), max_blocks),
+            block_tables=host_to_device(pad_block_tables(block_tables), torch.int32, device),
             max_query_len=max(query_lens, default=0),
             max_seq_len=max(seq_lens, default=0),
             query_lens_host=list(query_lens),
@@ -83,12 +93,24 @@ class PagedAttentionInputMetadata:
         )
 
 
-def host_to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list as a device tensor, through pinned memory without blocking the host."""
-    t = torch.tensor(values, dtype=dtype)
+def host_to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list (or array) as a device tensor, through pinned memory without blocking the
+    host."""
+    t = torch.as_tensor(values, dtype=dtype)
     if device.type == "cuda":
         t = t.pin_memory()
     return t.to(device, non_blocking=True)
+
+
+def pad_block_tables(block_tables: list[list[int]], num_rows: int | None = None) -> torch.Tensor:
+    """[num_rows, longest table] int32 on the host, each table padded with block 0 (rows past
+    the tables are all padding). Filled through numpy: far faster than torch.tensor on lists."""
+    width = max((len(t) for t in block_tables), default=0)
+    out = torch.zeros((num_rows or len(block_tables), width), dtype=torch.int32)
+    rows = out.numpy()
+    for i, table in enumerate(block_tables):
+        rows[i, : len(table)] = table
+    return out
 
 
 def slots_for(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:

@@ -7,6 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.layers.metadata import PagedAttentionInputMetadata
+
 
 def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))
@@ -62,21 +64,40 @@ class RotaryEmbedding(nn.Module):
         return self._cos_sin[device]
 
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        meta: PagedAttentionInputMetadata | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]. On CUDA, rotated in place."""
+        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]. On CUDA, rotated in place.
+        With the step's metadata (whose positions these are), the CPU path looks up the
+        positions' cos/sin rows once per step instead of once per layer."""
         if q.is_cuda and q.stride(-1) == 1 and k.stride(-1) == 1:
             from pagedllm.kernels.triton_ops import triton_rotary_embedding
 
             triton_rotary_embedding(positions, q, k, self.cos_sin_cache(q.device))
             return q, k
-        cos, sin = self.tables(positions.device)
-        cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+        if meta is None:
+            cos, sin = self._rows(positions, q.dtype)
+        else:
+            cos, sin = meta.step_cache(("rotary", self, q.dtype),
+                                       lambda: self._rows(positions, q.dtype))
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
+    def _rows(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-flipped sin [T, 1, head_dim] of each position (see _rotate), in the
+        activations' dtype: half-precision models rotate in half precision, as transformers
+        does, instead of casting q and k to float32 and back in every layer."""
+        cos, sin = self.tables(positions.device)
+        half = cos.shape[-1] // 2
+        sign = torch.ones(cos.shape[-1], device=positions.device)
+        sign[:half] = -1
+        return cos[positions].unsqueeze(1).to(dtype), (sin[positions] * sign).unsqueeze(1).to(dtype)
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, with rotate_half(x) * sin = [x2, x1] * [-sin, sin]
+    (exactly the same products: negating a factor is exact)."""
+    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # [x2, x1]
+    return x * cos + swapped * signed_sin

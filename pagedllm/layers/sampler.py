@@ -5,7 +5,9 @@ the logits after logit_bias, the min_tokens mask and the repetition / frequency 
 penalties: greedy rows take the argmax; random rows apply temperature, top-k, top-p and min-p,
 then draw with the exponential race (argmax of probs / Exp(1) noise, which picks token i
 with probability p_i). Everything is batched over rows; the only per-row loop is over rows
-that carry their own seeded generator.
+that carry their own seeded generator. Per-row parameters reach the device from pinned memory
+without blocking, so the host queues the whole sampling step behind the forward; the one
+transfer that waits is the packed result coming back.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedllm.layers.metadata import host_to_device
 from pagedllm.sampling_params import SamplingParams, SamplingType
 
 
@@ -33,8 +36,26 @@ class SamplingRow:
 class SampleResult:
     token_id: int
     logprob: float  # log_softmax of the raw model logits at token_id
-    rank: int  # 1 = most likely under the raw logits
+    rank: int  # 1 = most likely under the raw logits; 0 (not computed) unless logprobs asked
     top_logprobs: dict[int, float]  # top `params.logprobs` tokens of the raw logits
+
+
+@dataclass
+class SampledBatch:
+    """One sampling call's results, still on the device."""
+
+    token_ids: torch.Tensor  # [num samples] int64: the next step's input ids in multi-step
+    packed: torch.Tensor  # [num samples, 3 + 2k] float64 (see _pack_logprobs)
+    rows: list[SamplingRow]
+    num_top: list[int]  # logprobs asked for, per row
+
+    def results(self, packed: list[list[float]]) -> list[list[SampleResult]]:
+        """`packed` as host lists -> num_samples results per row."""
+        out: list[list[SampleResult]] = []
+        it = iter(packed)
+        for row, k in zip(self.rows, self.num_top):
+            out.append([_unpack(next(it), k) for _ in range(row.num_samples)])
+        return out
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -50,32 +71,36 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[list[SampleResult]]:
         """logits: [len(rows), vocab]. Returns num_samples results per row."""
+        batch = self.sample(logits, rows)
+        return batch.results(batch.packed.cpu().tolist())
+
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> "SampledBatch":
+        """Choose the tokens without waiting for the device: the results stay on it until
+        the caller moves `packed` to the host (several steps' at once, in multi-step)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(
                 f"logits must have shape [num_rows={len(rows)}, vocab], got {tuple(logits.shape)}"
             )
-        if not rows:
-            return []
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        x = self.process_logits(logits, rows)
-        sample_rows = torch.repeat_interleave(
-            torch.arange(len(rows), device=x.device),
-            torch.tensor([r.num_samples for r in rows], device=x.device),
-        )
-        token_ids = _choose_tokens(x, rows, sample_rows)
         num_top = [r.params.logprobs or 0 for r in rows]
-        packed = _pack_logprobs(logprobs, sample_rows, token_ids, max(num_top)).tolist()
-
-        results: list[list[SampleResult]] = []
-        it = iter(packed)
-        for row, k in zip(rows, num_top):
-            results.append([_unpack(next(it), k) for _ in range(row.num_samples)])
-        return results
+        if not rows:
+            empty = torch.empty(0, 3, dtype=torch.float64)
+            return SampledBatch(torch.empty(0, dtype=torch.long), empty, rows, num_top)
+        logits = logits.float()
+        x = self.process_logits(logits, rows)
+        sample_rows = _sample_rows(rows, x.device)
+        token_ids = _choose_tokens(x, rows, sample_rows)
+        with_rank = any(r.params.logprobs is not None for r in rows)
+        packed = _pack_logprobs(logits, sample_rows, token_ids, max(num_top), with_rank)
+        return SampledBatch(token_ids, packed, rows, num_top)
 
     def process_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """A float32 copy of the logits the token is chosen from, before temperature:
-        logit_bias added, min_tokens mask, then the penalties."""
-        x = logits.float().clone()
+        """The float32 logits the token is chosen from, before temperature: logit_bias
+        added, min_tokens mask, then the penalties. A copy when any of them applies (the raw
+        logits still give the logprobs); else the logits themselves, which nothing writes."""
+        x = logits.float()
+        if not any(_modifies_logits(r) for r in rows):
+            return x
+        x = x.clone()
         self._apply_logit_bias(x, rows)
         self._apply_min_tokens(x, rows)
         _apply_penalties(x, rows)
@@ -95,7 +120,7 @@ class Sampler:
                 bias.append(value)
         if row_idx:
             index = _index_tensors(row_idx, token_idx, x.device)
-            x.index_put_(index, torch.tensor(bias, device=x.device), accumulate=True)
+            x.index_put_(index, host_to_device(bias, torch.float32, x.device), accumulate=True)
 
     def _apply_min_tokens(self, x: torch.Tensor, rows: list[SamplingRow]) -> None:
         """Until min_tokens are out, no token may end the sequence."""
@@ -115,8 +140,32 @@ class Sampler:
             x[_index_tensors(row_idx, token_idx, x.device)] = float("-inf")
 
 
+def _modifies_logits(row: SamplingRow) -> bool:
+    p = row.params
+    return bool(p.logit_bias) or len(row.output_token_ids) < p.min_tokens or (
+        p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0)
+
+
+def _sample_rows(rows: list[SamplingRow], device: torch.device) -> torch.Tensor | None:
+    """The logits row of every sample, in order (a row repeats for best_of samples); None
+    when that is every row once, in order (no gathering needed)."""
+    if all(r.num_samples == 1 for r in rows):
+        return None
+    return host_to_device([i for i, r in enumerate(rows) for _ in range(r.num_samples)],
+                          torch.long, device)
+
+
+def _rows_of(t: torch.Tensor, sample_rows: torch.Tensor | None) -> torch.Tensor:
+    return t if sample_rows is None else t[sample_rows]
+
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    """Per-row float parameters as a [rows, 1] column."""
+    return host_to_device(values, torch.float32, device)[:, None]
+
+
 def _index_tensors(rows: list[int], cols: list[int], device: torch.device) -> tuple[torch.Tensor, ...]:
-    return (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+    return host_to_device(rows, torch.long, device), host_to_device(cols, torch.long, device)
 
 
 def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
@@ -128,10 +177,8 @@ def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device
         return counts
     # numpy builds the flat id tensor from Python ints several times faster than torch.tensor.
     flat = np.fromiter(itertools.chain.from_iterable(token_lists), dtype=np.int64, count=total)
-    token_ids = torch.from_numpy(flat).to(device)
-    row_ids = torch.repeat_interleave(
-        torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device)
-    )
+    token_ids = host_to_device(flat, torch.long, device)
+    row_ids = host_to_device(np.repeat(np.arange(len(lengths)), lengths), torch.long, device)
     counts.view(-1).scatter_add_(0, row_ids * vocab + token_ids, torch.ones(total, device=device))
     return counts
 
@@ -148,57 +195,65 @@ def _apply_penalties(x: torch.Tensor, rows: list[SamplingRow]) -> None:
     if not chosen:
         return
     vocab, device = x.shape[1], x.device
-    index = torch.tensor(chosen, device=device)
+    index = host_to_device(chosen, torch.long, device)
     params = [rows[i].params for i in chosen]
     sub = x[index]
     output_counts = _token_counts([rows[i].output_token_ids for i in chosen], vocab, device)
     if any(p.repetition_penalty != 1.0 for p in params):
         prompt_counts = _token_counts([rows[i].prompt_token_ids for i in chosen], vocab, device)
         seen = (prompt_counts + output_counts) > 0
-        penalty = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
+        penalty = _column([p.repetition_penalty for p in params], device)
         penalised = torch.where(sub > 0, sub / penalty, sub * penalty)
         sub = torch.where(seen, penalised, sub)
-    frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
-    presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
+    frequency = _column([p.frequency_penalty for p in params], device)
+    presence = _column([p.presence_penalty for p in params], device)
     sub = sub - frequency * output_counts - presence * (output_counts > 0).float()
     x[index] = sub
 
 
-def _choose_tokens(x: torch.Tensor, rows: list[SamplingRow], sample_rows: torch.Tensor) -> torch.Tensor:
-    """[num_samples_total] token ids; greedy samples are the argmax of their row."""
-    token_ids = x.argmax(dim=-1)[sample_rows]
+def _choose_tokens(x: torch.Tensor, rows: list[SamplingRow],
+                   sample_rows: torch.Tensor | None) -> torch.Tensor:
+    """[num_samples_total] token ids; greedy samples are the argmax of their row. Each
+    [rows, vocab] pass costs a read of the whole logits, so none runs that is not needed."""
     random_rows = [i for i, r in enumerate(rows) if r.params.sampling_type != SamplingType.GREEDY]
+    all_random = len(random_rows) == len(rows)
+    if not all_random:
+        token_ids = _rows_of(x.argmax(dim=-1), sample_rows)
     if not random_rows:
         return token_ids
+    counts = [rows[i].num_samples for i in random_rows]
+    index = host_to_device(random_rows, torch.long, x.device)
+    probs = _random_probs(x if all_random else x[index], [rows[i].params for i in random_rows])
+    if any(c > 1 for c in counts):
+        repeats = [j for j, c in enumerate(counts) for _ in range(c)]
+        probs = probs.index_select(0, host_to_device(repeats, torch.long, x.device))
+    noise = _exponential_noise(probs.shape, [rows[i].generator for i in random_rows], counts, x.device)
+    sampled = (probs / noise).argmax(dim=-1)
+    if all_random:
+        return sampled
     starts = [0]
     for r in rows:
         starts.append(starts[-1] + r.num_samples)
     positions = [p for i in random_rows for p in range(starts[i], starts[i + 1])]
-    index = torch.tensor(random_rows, device=x.device)
-    probs = _random_probs(x[index], [rows[i].params for i in random_rows])
-    counts = [rows[i].num_samples for i in random_rows]
-    probs = probs.repeat_interleave(torch.tensor(counts, device=x.device), dim=0)
-    noise = _exponential_noise(probs.shape, [rows[i].generator for i in random_rows], counts, x.device)
-    sampled = (probs / noise).argmax(dim=-1)
-    token_ids[torch.tensor(positions, device=x.device)] = sampled
+    token_ids[host_to_device(positions, torch.long, x.device)] = sampled
     return token_ids
 
 
 def _random_probs(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature, top-k, top-p, then min-p; returns (unnormalised) probabilities."""
     vocab, device = x.shape[1], x.device
-    temperature = torch.tensor([p.temperature for p in params], device=device)[:, None]
+    temperature = _column([p.temperature for p in params], device)
     x = x / temperature
     top_k = [p.top_k if p.top_k > 0 else vocab for p in params]
     top_p = [p.top_p for p in params]
     if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
         x = _apply_top_k_top_p(
-            x, torch.tensor(top_k, device=device), torch.tensor(top_p, device=device)
+            x, host_to_device(top_k, torch.long, device), host_to_device(top_p, torch.float32, device)
         )
     probs = torch.softmax(x, dim=-1)
     min_p = [p.min_p for p in params]
     if any(m > 0 for m in min_p):
-        floor = torch.tensor(min_p, device=device)[:, None] * probs.max(dim=-1, keepdim=True).values
+        floor = _column(min_p, device) * probs.max(dim=-1, keepdim=True).values
         # The race below is invariant to each row's scale, so no renormalising is needed.
         probs = probs.masked_fill(probs < floor, 0.0)
     return probs
@@ -237,25 +292,35 @@ def _exponential_noise(
                 noise[start : start + count].exponential_(generator=generator)
             start += count
         if unseeded:
-            index = torch.tensor(unseeded, device=device)
+            index = host_to_device(unseeded, torch.long, device)
             noise[index] = torch.empty(len(unseeded), shape[1], device=device).exponential_()
     # A zero draw would turn a masked (zero-probability) token into 0/0 = nan, which argmax picks.
     return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
 
 
 def _pack_logprobs(
-    logprobs: torch.Tensor, sample_rows: torch.Tensor, token_ids: torch.Tensor, k: int
+    logits: torch.Tensor, sample_rows: torch.Tensor | None, token_ids: torch.Tensor, k: int,
+    with_rank: bool = True,
 ) -> torch.Tensor:
-    """Everything the host needs, per sample, in one float64 tensor moved to the host at once:
-    [token_id, logprob, rank, k top token ids, k top logprobs]. float64 holds ids exactly."""
-    row_logprobs = logprobs[sample_rows]
-    chosen = row_logprobs.gather(1, token_ids[:, None])
-    rank = (row_logprobs > chosen).sum(dim=-1, keepdim=True) + 1
+    """Everything the host needs, per sample, in one float64 tensor (on the device) to move
+    to the host at once: [token_id, logprob, rank, k top token ids, k top logprobs]. float64
+    holds ids exactly. Logprobs are the raw logits minus each row's logsumexp (no
+    [rows, vocab] logprob matrix is written); the rank (0 without `with_rank`) counts the
+    raw logits above the chosen one."""
+    logits = logits.float()
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    row_logits = _rows_of(logits, sample_rows)
+    chosen_logit = row_logits.gather(1, token_ids[:, None])
+    chosen = chosen_logit - _rows_of(lse, sample_rows)
+    if with_rank:
+        rank = (row_logits > chosen_logit).sum(dim=-1, keepdim=True) + 1
+    else:
+        rank = torch.zeros_like(chosen)
     columns = [token_ids[:, None], chosen, rank]
     if k > 0:
-        top_values, top_ids = logprobs.topk(k, dim=-1)
-        columns += [top_ids[sample_rows], top_values[sample_rows]]
-    return torch.cat([c.double() for c in columns], dim=1).cpu()
+        top_values, top_ids = logits.topk(k, dim=-1)
+        columns += [_rows_of(top_ids, sample_rows), _rows_of(top_values - lse, sample_rows)]
+    return torch.cat([c.double() for c in columns], dim=1)
 
 
 def _unpack(values: list[float], k: int) -> SampleResult:
@@ -285,11 +350,9 @@ def compute_prompt_logprobs(
     if not all(0 <= t < vocab for t in next_token_ids):
         bad = next(t for t in next_token_ids if not 0 <= t < vocab)
         raise ValueError(f"token id {bad} is out of range for a vocabulary of {vocab}")
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    positions = torch.arange(len(next_token_ids), device=logits.device)
-    token_ids = torch.tensor(next_token_ids, device=logits.device)
+    token_ids = host_to_device(next_token_ids, torch.long, logits.device)
     k = k or 0
-    packed = _pack_logprobs(logprobs, positions, token_ids, k).tolist()
+    packed = _pack_logprobs(logits, None, token_ids, k).cpu().tolist()
     out = []
     for values in packed:
         r = _unpack(values, k)

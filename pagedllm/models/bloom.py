@@ -15,7 +15,7 @@ from pagedllm.config import ModelConfig
 from pagedllm.kernels.reference import alibi_slopes
 from pagedllm.layers.attention import PagedAttention
 from pagedllm.layers.metadata import PagedAttentionInputMetadata
-from pagedllm.worker.device_map import DeviceMap, on_device
+from pagedllm.worker.device_map import DeviceMap
 
 MetadataByGroup = (
     list[PagedAttentionInputMetadata] | dict[torch.device, PagedAttentionInputMetadata]
@@ -130,15 +130,21 @@ class BloomForCausalLM(nn.Module):
         device_map = self.device_map or DeviceMap.from_layer_devices(
             [self.layer_device(i) for i in range(len(self.layers))]
         )
-        hidden = self.embed_tokens(input_ids)
-        for group, meta in zip(device_map.groups, device_map.distribute(metadata)):
-            if group.index > 0:  # a boundary of the map: the only place hidden states move
-                hidden = device_map.transfer(hidden, group)
-            with on_device(group.device):
-                for i in group.layers:
-                    hidden = self.layers[i](hidden, kv_caches[i], meta)
-        with on_device(hidden.device):
-            return self.norm(hidden)
+        return device_map.run_model(self, input_ids, kv_caches, metadata)
+
+    # The stages DeviceMap.run_model runs; the state is (hidden,).
+    def embed(self, input_ids: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self.embed_tokens(input_ids),)
+
+    def run_layers(self, layers: range, state: tuple, kv_caches: list[torch.Tensor],
+                   meta: PagedAttentionInputMetadata) -> tuple[torch.Tensor]:
+        (hidden,) = state
+        for i in layers:
+            hidden = self.layers[i](hidden, kv_caches[i], meta)
+        return (hidden,)
+
+    def final_norm(self, state: tuple) -> torch.Tensor:
+        return self.norm(state[0])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -18,7 +18,7 @@ from pagedllm.layers.attention import PagedAttention
 from pagedllm.layers.metadata import PagedAttentionInputMetadata
 from pagedllm.layers.norms import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
-from pagedllm.worker.device_map import DeviceMap, on_device
+from pagedllm.worker.device_map import DeviceMap
 
 MetadataByGroup = (
     list[PagedAttentionInputMetadata] | dict[torch.device, PagedAttentionInputMetadata]
@@ -60,7 +60,7 @@ class LlamaAttention(nn.Module):
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary[0](meta.positions, q, k)
+        q, k = self.rotary[0](meta.positions, q, k, meta)
         out = self.attn(q, k, v.contiguous(), kv_cache, meta)
         return self.o_proj(out)
 
@@ -144,17 +144,23 @@ class LlamaForCausalLM(nn.Module):
         device_map = self.device_map or DeviceMap.from_layer_devices(
             [self.layer_device(i) for i in range(len(self.layers))]
         )
-        hidden = self.embed_tokens(input_ids)
-        residual = None
-        for group, meta in zip(device_map.groups, device_map.distribute(metadata)):
-            if group.index > 0:  # a boundary of the map: the only place hidden states move
-                hidden, residual = device_map.transfer((hidden, residual), group)
-            with on_device(group.device):
-                for i in group.layers:
-                    hidden, residual = self.layers[i](hidden, residual, kv_caches[i], meta)
-        with on_device(hidden.device):  # the final norm may be a Triton kernel too
-            hidden, _ = self.norm(hidden, residual)
-        return hidden
+        return device_map.run_model(self, input_ids, kv_caches, metadata)
+
+    # The three stages DeviceMap.run_model (and each device group's CUDA graph) runs. The
+    # state between layers is (hidden, residual); residual is None before the first layer.
+    def embed(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return self.embed_tokens(input_ids), None
+
+    def run_layers(self, layers: range, state: tuple, kv_caches: list[torch.Tensor],
+                   meta: PagedAttentionInputMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = state
+        for i in layers:
+            hidden, residual = self.layers[i](hidden, residual, kv_caches[i], meta)
+        return hidden, residual
+
+    def final_norm(self, state: tuple) -> torch.Tensor:
+        hidden, residual = state
+        return self.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

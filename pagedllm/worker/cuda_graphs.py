@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pagedllm.layers.metadata import PagedAttentionInputMetadata
+from pagedllm.layers.metadata import PagedAttentionInputMetadata, pad_block_tables
+from pagedllm.worker.device_map import DeviceMap, on_device
 
 logger = logging.getLogger(__name__)
 
@@ -67,10 +68,8 @@ def fits_decode_graph(max_query_len: int, num_tokens: int, num_seqs: int,
 
 
 def graphs_supported(layer_devices: list[torch.device], enforce_eager: bool) -> bool:
-    """Graphs need the whole model on one CUDA device (a device map's cross-device copies and
-    CPU layers are not captured)."""
-    devices = set(layer_devices)
-    return not enforce_eager and len(devices) == 1 and next(iter(devices)).type == "cuda"
+    """Graphs need every layer on CUDA (one graph per device group; CPU layers are eager)."""
+    return not enforce_eager and all(d.type == "cuda" for d in layer_devices)
 
 
 @dataclass
@@ -83,6 +82,12 @@ class DecodeBatch:
     seq_lens: torch.Tensor  # [bucket] int32, padding PAD_SEQ_LEN
     block_tables: torch.Tensor  # [bucket, widest table] int32, padding 0
     num_seqs: int  # the real rows
+
+    def pinned(self) -> "DecodeBatch":
+        """Page-locked copies, so the copies to the device do not block the host."""
+        return DecodeBatch(self.input_ids.pin_memory(), self.positions.pin_memory(),
+                           self.slot_mapping.pin_memory(), self.seq_lens.pin_memory(),
+                           self.block_tables.pin_memory(), self.num_seqs)
 
 
 def pad_decode_batch(
@@ -102,25 +107,52 @@ def pad_decode_batch(
     if n > bucket:
         raise ValueError(f"a batch of {n} sequences does not fit a graph of {bucket}")
     pad = bucket - n
-    width = max(len(t) for t in block_tables) if block_tables else 0
-    tables = [t + [0] * (width - len(t)) for t in block_tables] + [[0] * width] * pad
     return DecodeBatch(
         input_ids=torch.tensor(input_ids + [0] * pad, dtype=torch.int64),
         positions=torch.tensor(positions + [0] * pad, dtype=torch.int64),
         slot_mapping=torch.tensor(slot_mapping + [PAD_SLOT] * pad, dtype=torch.int64),
         seq_lens=torch.tensor(seq_lens + [PAD_SEQ_LEN] * pad, dtype=torch.int32),
-        block_tables=torch.tensor(tables, dtype=torch.int32).reshape(bucket, width),
+        block_tables=pad_block_tables(block_tables, bucket),
         num_seqs=n,
     )
 
 
+class StaticMetadata:
+    """One device's static metadata buffers, for the largest bucket (sliced per bucket)."""
+
+    def __init__(self, device: torch.device, max_batch_size: int, table_width: int) -> None:
+        n = max_batch_size
+        i64 = dict(dtype=torch.int64, device=device)
+        i32 = dict(dtype=torch.int32, device=device)
+        self.positions = torch.zeros(n, **i64)
+        self.slot_mapping = torch.full((n,), PAD_SLOT, **i64)
+        self.seq_lens = torch.full((n,), PAD_SEQ_LEN, **i32)
+        self.query_start_loc = torch.arange(n + 1, **i32)  # one query token per sequence
+        self.block_tables = torch.zeros((n, table_width), **i32)
+
+    def load(self, batch: "DecodeBatch", bucket: int) -> None:
+        pin = self.positions.is_cuda
+        width = batch.block_tables.shape[1]
+        for dst, src in (
+            (self.positions[:bucket], batch.positions),
+            (self.slot_mapping[:bucket], batch.slot_mapping),
+            (self.seq_lens[:bucket], batch.seq_lens),
+            (self.block_tables[:bucket, :width], batch.block_tables),
+        ):
+            dst.copy_(src, non_blocking=pin)
+
+
 class DecodeCUDAGraphs:
-    """Static input buffers, one captured graph per bucket, and their replay."""
+    """Static input buffers, one captured graph per (bucket, device group), and their replay.
+
+    With a device map, each group's layers are one graph on that group's device; between two
+    replays the state (hidden, residual) is copied into the next group's static buffers, the
+    only step a map adds. Metadata buffers exist once per distinct device."""
 
     def __init__(
         self,
         model: nn.Module,
-        device: torch.device,
+        device_map: DeviceMap,
         max_num_seqs: int,
         max_model_len: int,
         block_size: int,
@@ -129,7 +161,7 @@ class DecodeCUDAGraphs:
         dtype: torch.dtype,
     ) -> None:
         self.model = model
-        self.device = device
+        self.device_map = device_map
         self.sizes = graph_batch_sizes(max_num_seqs)
         self.max_batch_size = self.sizes[-1]
         self.max_model_len = max_model_len
@@ -138,82 +170,132 @@ class DecodeCUDAGraphs:
         self.head_dim = head_dim
         self.dtype = dtype
         self.table_width = math.ceil(max_model_len / block_size)
-        n = self.max_batch_size
-        i64 = dict(dtype=torch.int64, device=device)
-        i32 = dict(dtype=torch.int32, device=device)
-        self.input_ids = torch.zeros(n, **i64)
-        self.positions = torch.zeros(n, **i64)
-        self.slot_mapping = torch.full((n,), PAD_SLOT, **i64)
-        self.seq_lens = torch.full((n,), PAD_SEQ_LEN, **i32)
-        self.query_start_loc = torch.arange(n + 1, **i32)  # one query token per sequence
-        self.block_tables = torch.zeros((n, self.table_width), **i32)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.input_ids = torch.zeros(self.max_batch_size, dtype=torch.int64,
+                                     device=device_map.input_device)
+        self.static_metadata = {
+            d: StaticMetadata(d, self.max_batch_size, self.table_width) for d in device_map.devices
+        }
+        # Group index -> the static state a group > 0 starts from (made at the first forward).
+        self.states: dict[int, tuple] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (bucket, group)
+        self.outputs: dict[tuple[int, int], object] = {}
         self.graph_memory = 0  # bytes, measured at capture
         self.num_replays = 0
 
-    def num_splits(self, batch_size: int) -> int:
+    def num_splits(self, batch_size: int, device: torch.device | None = None) -> int:
         from pagedllm.kernels.triton_attention import choose_num_splits
 
-        return choose_num_splits(self.max_model_len, batch_size, self.num_kv_heads, self.device)
+        device = device or self.device_map.input_device
+        return choose_num_splits(self.max_model_len, batch_size, self.num_kv_heads, device)
 
-    def metadata(self, batch_size: int) -> PagedAttentionInputMetadata:
-        """Views of the static buffers for one bucket (host lists only feed shape checks)."""
+    def metadata(self, batch_size: int, device: torch.device | None = None
+                 ) -> PagedAttentionInputMetadata:
+        """Views of one device's static buffers for one bucket (host lists only feed shape
+        checks)."""
         b = batch_size
+        device = device or self.device_map.input_device
+        buf = self.static_metadata[device]
         return PagedAttentionInputMetadata(
-            positions=self.positions[:b],
-            slot_mapping=self.slot_mapping[:b],
-            query_start_loc=self.query_start_loc[: b + 1],
-            seq_lens=self.seq_lens[:b],
-            block_tables=self.block_tables[:b],
+            positions=buf.positions[:b],
+            slot_mapping=buf.slot_mapping[:b],
+            query_start_loc=buf.query_start_loc[: b + 1],
+            seq_lens=buf.seq_lens[:b],
+            block_tables=buf.block_tables[:b],
             max_query_len=1,
             max_seq_len=self.max_model_len,
             query_lens_host=[1] * b,
             seq_lens_host=[self.max_model_len] * b,
-            num_splits=self.num_splits(b),
+            num_splits=self.num_splits(b, device),
         )
 
+    # ------------------------------------------------------------------ stages
+    def _stage(self, g: int, batch_size: int, kv_caches: list[torch.Tensor]):
+        """What group g's graph replays: its layers over its static inputs; the last group
+        ends with the final norm and returns the hidden states."""
+        group = self.device_map.groups[g]
+        b = batch_size
+        with on_device(group.device):
+            if g == 0:
+                state = self.model.embed(self.input_ids[:b])
+            else:
+                state = tuple(None if t is None else t[:b] for t in self.states[g])
+            state = self.model.run_layers(group.layers, state, kv_caches,
+                                          self.metadata(b, group.device))
+            if g == len(self.device_map.groups) - 1:
+                return self.model.final_norm(state)
+        return state
+
+    def _load_state(self, g: int, batch_size: int, state: tuple) -> None:
+        """Copy the previous group's output state into group g's static buffers (across
+        devices: the copy orders both devices' streams)."""
+        if g not in self.states:
+            device = self.device_map.groups[g].device
+            self.states[g] = tuple(
+                None if t is None else torch.zeros((self.max_batch_size, *t.shape[1:]),
+                                                   dtype=t.dtype, device=device)
+                for t in state
+            )
+        for dst, src in zip(self.states[g], state):
+            if src is not None:
+                dst[:batch_size].copy_(src)
+
     def _forward(self, batch_size: int, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        meta = self.metadata(batch_size)
-        return self.model(self.input_ids[:batch_size], kv_caches, {self.device: meta})
+        """Every stage eagerly over the static buffers (warm-up, and the CPU tests)."""
+        out = None
+        for g in range(len(self.device_map.groups)):
+            if g > 0:
+                self._load_state(g, batch_size, out)
+            out = self._stage(g, batch_size, kv_caches)
+        return out
 
     @torch.inference_mode()
     def profile_run(self) -> None:
-        """One eager decode forward at the largest bucket, over a one-block cache (the static
-        buffers write nothing and read only block 0): its activation peak is about what the
-        graphs' shared pool will hold. For memory profiling, before the KV cache exists."""
+        """One eager decode forward at the largest bucket, over a one-block cache per layer
+        (the static buffers write nothing and read only block 0): its activation peak is
+        about what the graphs' shared pool will hold. For memory profiling, before the KV
+        cache exists."""
         shape = (2, 1, self.block_size, self.num_kv_heads, self.head_dim)
-        caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.model.layers]
+        caches = [torch.zeros(shape, dtype=self.dtype, device=d)
+                  for d in self.device_map.layer_devices]
         self._forward(self.max_batch_size, caches)
 
-    def memory_reserve(self, pool_peak: int) -> int:
-        """Bytes to keep free for the graphs: the shared pool (the activation peak of an eager
-        decode at the largest bucket, profiled) plus every graph's own memory."""
-        return pool_peak + GRAPH_BYTES_PER_LAYER * len(self.model.layers) * len(self.sizes)
+    def memory_reserve(self, device: torch.device, pool_peak: int) -> int:
+        """Bytes to keep free on `device` for the graphs: its share of the pool (the
+        activation peak of an eager decode at the largest bucket, profiled) plus the memory
+        of every graph of its layers."""
+        layers = self.device_map.layers_on(device)
+        return pool_peak + GRAPH_BYTES_PER_LAYER * layers * len(self.sizes)
 
     @torch.inference_mode()
     def capture(self, kv_caches: list[torch.Tensor]) -> None:
-        """Capture every bucket, largest first, into one memory pool."""
+        """Capture every bucket, largest first, each device's graphs into one memory pool."""
         start = time.perf_counter()
-        torch.cuda.synchronize(self.device)
-        free_before = torch.cuda.mem_get_info(self.device)[0]
-        pool = None
+        devices = self.device_map.devices
+        for d in devices:
+            torch.cuda.synchronize(d)
+        free_before = sum(torch.cuda.mem_get_info(d)[0] for d in devices)
+        pools: dict[torch.device, object] = {}
+        streams = {d: torch.cuda.Stream(device=d) for d in devices}
         for b in reversed(self.sizes):
             # Eager warm-up: compiles this launch shape's kernels and builds lazily made
             # per-device tables, neither of which may happen inside a capture.
             self._forward(b, kv_caches)
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[b] = self._forward(b, kv_caches)
-            pool = graph.pool() if pool is None else pool
-            self.graphs[b] = graph
-        torch.cuda.synchronize(self.device)
-        self.graph_memory = free_before - torch.cuda.mem_get_info(self.device)[0]
+            for g, group in enumerate(self.device_map.groups):
+                d = group.device
+                torch.cuda.synchronize(d)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.device(d), torch.cuda.graph(graph, pool=pools.get(d),
+                                                            stream=streams[d]):
+                    self.outputs[b, g] = self._stage(g, b, kv_caches)
+                pools.setdefault(d, graph.pool())
+                self.graphs[b, g] = graph
+        for d in devices:
+            torch.cuda.synchronize(d)
+        self.graph_memory = free_before - sum(torch.cuda.mem_get_info(d)[0] for d in devices)
         logger.info(
-            "CUDA graphs: captured %d decode batch sizes (1..%d) in %.1f s, using %.1f MiB",
-            len(self.sizes), self.max_batch_size, time.perf_counter() - start,
-            self.graph_memory / (1 << 20),
+            "CUDA graphs: captured %d decode batch sizes (1..%d) x %d device group(s) in %.1f s, "
+            "using %.1f MiB", len(self.sizes), self.max_batch_size, len(self.device_map.groups),
+            time.perf_counter() - start, self.graph_memory / (1 << 20),
         )
 
     def can_run(self, max_query_len: int, num_tokens: int, num_seqs: int) -> bool:
@@ -223,46 +305,55 @@ class DecodeCUDAGraphs:
 
     def load_inputs(
         self,
-        input_ids: list[int],
+        input_ids: list[int] | torch.Tensor,
         positions: list[int],
         slot_mapping: list[int],
         seq_lens: list[int],
         block_tables: list[list[int]],
     ) -> int:
-        """Copy a decode step's inputs, padded, into the static buffers; returns the bucket."""
+        """Copy a decode step's inputs, padded, into the static buffers of every device;
+        returns the bucket."""
         bucket = choose_bucket(self.sizes, len(input_ids))
         if bucket is None:
             raise ValueError(
                 f"no CUDA graph holds a batch of {len(input_ids)} (largest {self.max_batch_size})"
             )
-        batch = pad_decode_batch(input_ids, positions, slot_mapping, seq_lens, block_tables, bucket)
+        on_device = isinstance(input_ids, torch.Tensor)
+        host_ids = [0] * len(input_ids) if on_device else input_ids
+        batch = pad_decode_batch(host_ids, positions, slot_mapping, seq_lens, block_tables, bucket)
         width = batch.block_tables.shape[1]
         if width > self.table_width:
             raise ValueError(
                 f"a block table of {width} blocks is longer than max_model_len allows "
                 f"({self.table_width} blocks)"
             )
-        pin = self.device.type == "cuda"
-        for dst, src in (
-            (self.input_ids[:bucket], batch.input_ids),
-            (self.positions[:bucket], batch.positions),
-            (self.slot_mapping[:bucket], batch.slot_mapping),
-            (self.seq_lens[:bucket], batch.seq_lens),
-            (self.block_tables[:bucket, :width], batch.block_tables),
-        ):
-            dst.copy_(src.pin_memory() if pin else src, non_blocking=pin)
+        if self.input_ids.is_cuda:
+            batch = batch.pinned()
+        if on_device:  # the last step's samples (multi-step); padding rows keep old ids
+            self.input_ids[: len(input_ids)].copy_(input_ids)
+        else:
+            self.input_ids[:bucket].copy_(batch.input_ids, non_blocking=self.input_ids.is_cuda)
+        for buffers in self.static_metadata.values():
+            buffers.load(batch, bucket)
         return bucket
 
     def run(
         self,
-        input_ids: list[int],
+        input_ids: list[int] | torch.Tensor,
         positions: list[int],
         slot_mapping: list[int],
         seq_lens: list[int],
         block_tables: list[list[int]],
     ) -> torch.Tensor:
-        """Load this step's inputs, replay its bucket's graph, return [num_seqs, hidden]."""
+        """Load this step's inputs, replay its bucket's graphs group by group, return
+        [num_seqs, hidden]."""
         bucket = self.load_inputs(input_ids, positions, slot_mapping, seq_lens, block_tables)
-        self.graphs[bucket].replay()
+        out = None
+        for g, group in enumerate(self.device_map.groups):
+            if g > 0:
+                self._load_state(g, bucket, out)
+            with torch.cuda.device(group.device):
+                self.graphs[bucket, g].replay()
+            out = self.outputs[bucket, g]
         self.num_replays += 1
-        return self.outputs[bucket][: len(input_ids)]
+        return out[: len(input_ids)]

@@ -127,6 +127,22 @@ class DeviceMap:
     def spec(self) -> str:
         return ",".join(f"{g.device}:{g.num_layers}" for g in self.groups)
 
+    # -------------------------------------------------------------- execution
+    def run_model(self, model: nn.Module, input_ids: torch.Tensor, kv_caches: list[torch.Tensor],
+                  metadata) -> torch.Tensor:
+        """A model's forward, group by group: embed, each group's layers on its device (the
+        state crosses devices only at a boundary), the final norm. The model provides
+        embed(ids) -> state, run_layers(layers, state, kv_caches, meta) -> state and
+        final_norm(state) -> hidden, where a state is a tuple of tensors (or None)."""
+        state = model.embed(input_ids)
+        for group, meta in zip(self.groups, self.distribute(metadata)):
+            if group.index > 0:  # a boundary of the map: the only place hidden states move
+                state = self.transfer(state, group)
+            with on_device(group.device):
+                state = model.run_layers(group.layers, state, kv_caches, meta)
+        with on_device(self.output_device):  # the final norm may be a Triton kernel too
+            return model.final_norm(state)
+
     # -------------------------------------------------------------- transfers
     def distribute(
         self,

@@ -18,6 +18,7 @@ from pagedllm.engine.sequence import SequenceGroup, SequenceStatus
 from pagedllm.layers.metadata import PagedAttentionInputMetadata, host_to_device, slots_for
 from pagedllm.layers.sampler import Sampler, SampleResult, SamplingRow, compute_prompt_logprobs
 from pagedllm.worker.cuda_graphs import DecodeCUDAGraphs
+from pagedllm.worker.device_map import DeviceMap
 
 
 @dataclass
@@ -40,6 +41,23 @@ class StepBatch:
     @property
     def max_query_len(self) -> int:
         return max(self.query_lens, default=0)
+
+    def next_decode_step(self, block_size: int) -> "StepBatch":
+        """The same decode batch one token further on (multi-step): positions, context lengths
+        and slots advance by one, in blocks the scheduler reserved ahead. The input ids of
+        the new step are the last step's samples, still on the device."""
+        positions = [p + 1 for p in self.positions]
+        return StepBatch(
+            input_ids=self.input_ids,  # placeholders of the right length
+            positions=positions,
+            slot_mapping=[t[p // block_size] * block_size + p % block_size
+                          for t, p in zip(self.block_tables, positions)],
+            query_lens=self.query_lens,
+            seq_lens=[n + 1 for n in self.seq_lens],
+            block_tables=self.block_tables,
+            logits_indices=self.logits_indices,
+            sample_rows=self.sample_rows,
+        )
 
 
 @dataclass
@@ -75,9 +93,9 @@ class ModelRunner:
     def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int, num_kv_heads: int,
                            head_dim: int, dtype: torch.dtype) -> DecodeCUDAGraphs:
         """Set up decode graphs (static buffers now; capture once the KV cache exists)."""
-        self.graphs = DecodeCUDAGraphs(self.model, self.input_device, max_num_seqs,
-                                       max_model_len, self.block_size, num_kv_heads, head_dim,
-                                       dtype)
+        self.graphs = DecodeCUDAGraphs(self.model, DeviceMap.from_layer_devices(self.layer_devices),
+                                       max_num_seqs, max_model_len, self.block_size,
+                                       num_kv_heads, head_dim, dtype)
         return self.graphs
 
     # ----------------------------------------------------------------- inputs
@@ -91,10 +109,9 @@ class ModelRunner:
             params = group.sampling_params
             for seq in group.get_seqs(SequenceStatus.RUNNING):
                 start = seq.num_computed_tokens
-                tokens = seq.get_token_ids()
                 table = out.block_tables[seq.seq_id]
                 first = len(b.input_ids)
-                b.input_ids += tokens[start: start + chunk]
+                b.input_ids += seq.token_slice(start, start + chunk)
                 b.positions += range(start, start + chunk)
                 b.slot_mapping += slots_for(table, start, start + chunk, bs)
                 b.query_lens.append(chunk)
@@ -105,7 +122,7 @@ class ModelRunner:
                     # Logits at position p predict prompt token p + 1.
                     end = min(start + chunk, prompt_len - 1)
                     b.prompt_logprob_rows[group.request_id] = (
-                        len(prompt_indices), end - start, tokens[start + 1: end + 1],
+                        len(prompt_indices), end - start, seq.token_slice(start + 1, end + 1),
                         params.prompt_logprobs,
                     )
                     prompt_indices += range(first, first + end - start)
@@ -115,15 +132,16 @@ class ModelRunner:
         b.logits_indices = prompt_indices + sample_indices
         return b
 
-    def prepare_input(self, b: StepBatch) -> ModelInput:
+    def prepare_input(self, b: StepBatch, input_ids: torch.Tensor | None = None) -> ModelInput:
         """The eager path's device tensors, on the input device (the model's forward copies
-        the metadata once to each later device group)."""
+        the metadata once to each later device group). `input_ids`: already on the device."""
         meta = PagedAttentionInputMetadata.build(
             b.positions, b.slot_mapping, b.query_lens, b.seq_lens, b.block_tables,
             device=self.input_device,
         )
-        input_ids = host_to_device(b.input_ids, torch.long, self.input_device)
-        return ModelInput(input_ids, {self.input_device: meta})
+        if input_ids is None:
+            input_ids = host_to_device(b.input_ids, torch.long, self.input_device)
+        return ModelInput(input_ids.to(self.input_device), {self.input_device: meta})
 
     @staticmethod
     def _sampling_row(group: SequenceGroup, seq) -> SamplingRow:
@@ -142,12 +160,14 @@ class ModelRunner:
             b.max_query_len, len(b.input_ids), len(b.query_lens)
         )
 
-    def forward(self, b: StepBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        """Hidden states of every token of the step, [num_tokens, hidden]."""
+    def forward(self, b: StepBatch, kv_caches: list[torch.Tensor],
+                input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states of every token of the step, [num_tokens, hidden]. `input_ids`, when
+        given, replaces b.input_ids with a device tensor (multi-step)."""
         if self.uses_graph(b):
-            return self.graphs.run(b.input_ids, b.positions, b.slot_mapping, b.seq_lens,
-                                   b.block_tables)
-        inp = self.prepare_input(b)
+            ids = b.input_ids if input_ids is None else input_ids
+            return self.graphs.run(ids, b.positions, b.slot_mapping, b.seq_lens, b.block_tables)
+        inp = self.prepare_input(b, input_ids)
         return self.model(inp.input_ids, kv_caches, inp.metadata)
 
     @torch.inference_mode()
@@ -166,6 +186,34 @@ class ModelRunner:
         results = self.sampler(logits[num_prompt_rows:], [row for _, row in b.sample_rows])
         samples = {seq_id: res for (seq_id, _), res in zip(b.sample_rows, results)}
         return StepResult(samples, prompt_logprobs)
+
+    @torch.inference_mode()
+    def execute_multi_step(self, out: SchedulerOutput, kv_caches: list[torch.Tensor],
+                           num_steps: int) -> list[StepResult]:
+        """`num_steps` decode steps of one batch, back to back on the device: each step's
+        samples are the next step's input ids without a trip to the host, and all steps'
+        results come back in one transfer at the end. The scheduler reserved the slots; the
+        batch is decode-only, one sample per row, no row reads its output history (see
+        LLMEngine._multi_step_size)."""
+        b = self.gather(out)
+        rows = [row for _, row in b.sample_rows]
+        batches = []
+        input_ids = None
+        for step in range(num_steps):
+            if step:
+                b = b.next_decode_step(self.block_size)
+            hidden = self.forward(b, kv_caches, input_ids)
+            batch = self.sampler.sample(self.model.compute_logits(hidden), rows)
+            batches.append(batch)
+            input_ids = batch.token_ids
+        packed = torch.cat([x.packed for x in batches]).cpu().tolist()
+        n = len(rows)
+        results = []
+        for step, batch in enumerate(batches):
+            samples = batch.results(packed[step * n: (step + 1) * n])
+            results.append(StepResult(
+                {seq_id: res for (seq_id, _), res in zip(b.sample_rows, samples)}, {}))
+        return results
 
     @staticmethod
     def _select_rows(hidden: torch.Tensor, indices: list[int]) -> torch.Tensor:

@@ -156,7 +156,7 @@ class Worker:
         if self.runner.graphs is not None:
             # The decode graphs' memory lives beside the eager activations: reserve both.
             pool = memory.profile_peak_memory(self.runner.graphs.profile_run, devices)
-            reserve = {d: self.runner.graphs.memory_reserve(pool.get(d, 0)) for d in devices}
+            reserve = {d: self.runner.graphs.memory_reserve(d, pool.get(d, 0)) for d in devices}
             logger.info("CUDA graph headroom: %.1f MiB", sum(reserve.values()) / (1 << 20))
             peaks = {d: peaks[d] + reserve[d] for d in devices}
         utilization = memory.per_device_values(
@@ -214,3 +214,6 @@ class Worker:
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         return self.runner.execute(out, self.cache_engine.gpu_cache)
+
+    def execute_multi_step(self, out: SchedulerOutput, num_steps: int) -> list[StepResult]:
+        return self.runner.execute_multi_step(out, self.cache_engine.gpu_cache, num_steps)
