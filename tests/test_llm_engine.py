@@ -95,16 +95,24 @@ def test_stop_string_split_across_tokens(default_llm):
     assert kept.text == full.text[: start + len(stop)]
 
 
-def test_streaming_deltas_add_up_to_the_text(default_llm):
+@pytest.mark.parametrize("num_steps", [1, 4])
+def test_streaming_deltas_add_up_to_the_text(default_llm, monkeypatch, num_steps):
+    """As the server streams: an output per step (several tokens each in multi-step)."""
     engine = default_llm.engine
-    engine.add_request("stream-1", PROMPT, SamplingParams(temperature=0.0, max_tokens=16))
-    text, ids, final = "", [], None
+    monkeypatch.setattr(engine, "stream_outputs", True)
+    monkeypatch.setattr(engine, "num_scheduler_steps", num_steps)
+    engine.add_request(f"stream-{num_steps}", PROMPT,
+                       SamplingParams(temperature=0.0, max_tokens=16, stop=["zzz"]))
+    text, ids, final, num_outputs = "", [], None, 0
     while engine.has_unfinished_requests():
         for out in engine.step():
             text += out.deltas[0][0]
             ids += out.deltas[0][1]
-            final = out
+            final, num_outputs = out, num_outputs + 1
     assert final.finished and text == final.outputs[0].text and ids == final.outputs[0].token_ids
+    assert len(ids) == 16
+    # Multi-step: the prefill's token, then windows of 4 tokens (the last one stops at 3).
+    assert num_outputs == (16 if num_steps == 1 else 5)
 
 
 def test_abort_frees_blocks(default_llm):
