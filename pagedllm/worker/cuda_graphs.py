@@ -10,10 +10,12 @@ the step's batch. A graph replays fixed pointers and fixed launch grids, so:
   over block 0: a cheap, finite read);
 - attention gets a fixed split count per bucket (chosen for max_model_len), so no grid
   depends on this step's lengths;
-- every graph allocates from one shared memory pool. Graphs never run concurrently, and each
-  one's output is read before the next replay, so they can share it.
+- the graphs of one device allocate from one shared memory pool. Graphs never run
+  concurrently, and each one's output is read before the next replay, so they can share it;
+- with a device map, each device group is its own graph (see DecodeCUDAGraphs).
 
-Only the model's forward is captured; logits are computed for the real rows only.
+Only the model's forward is captured; logits are computed for the real rows only. In
+multi-step decoding the input ids of a step after the first come from the device.
 """
 from __future__ import annotations
 
