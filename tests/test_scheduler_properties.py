@@ -1,4 +1,5 @@
-"""Property test: random requests, steps, forks and aborts on tiny KV pools never lose a block.
+"""Property test: random requests, steps, multi-step decodes (lookahead slots), forks and
+aborts on tiny KV pools never lose a block.
 
 A hypothesis state machine plays the engine around Scheduler + BlockSpaceManager; after every
 action the block pools and tables must agree, and once every request is done (run to
@@ -55,7 +56,8 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     # ---- the engine's side -----------------------------------------------------------------
 
-    @rule(prompt=st.lists(tokens, min_size=1, max_size=MAX_PROMPT), best_of=st.integers(1, 3))
+    @rule(prompt=st.lists(tokens, min_size=1, max_size=MAX_PROMPT),
+          best_of=st.sampled_from([1, 1, 1, 2, 3]))  # mostly single: multi-step needs them
     def add_request(self, prompt, best_of):
         seq = Sequence(next(self.ids), prompt, self.block_size)
         group = SequenceGroup(f"r{seq.seq_id}", [seq], SamplingParams(n=1, best_of=best_of))
@@ -75,9 +77,36 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.scheduler.abort_seq_group(request_id)
         assert all(s.is_finished() for s in self.groups[request_id].get_seqs())
 
-    def _step(self, next_token, stop_now) -> SchedulerOutput:
+    @rule(data=st.data(), num_steps=st.integers(2, 5))
+    def multi_step(self, data, num_steps):
+        """The engine's multi-step decode: lookahead slots for a plain decode schedule, then
+        up to `num_steps` tokens per sequence (fewer where one stops), then the count."""
         out = self.scheduler.schedule()
         self._check_output(out)
+        plain = bool(out.scheduled_seq_groups) and out.num_preempted == 0 and not (
+            out.blocks_to_copy or out.blocks_to_swap_in or out.blocks_to_swap_out) and all(
+            s.token_chunk_size == 1 and s.do_sample and len(s.seq_group.seqs_dict) == 1
+            and s.seq_group.max_num_samples == 1 for s in out.scheduled_seq_groups)
+        if not (plain and self.scheduler.reserve_lookahead(out, num_steps - 1)):
+            self._step(lambda: data.draw(tokens), lambda: False, out)
+            return
+        for scheduled in out.scheduled_seq_groups:
+            (seq,) = scheduled.seq_group.seqs_dict.values()
+            covered = len(out.block_tables[seq.seq_id]) * self.block_size
+            assert covered >= seq.get_len() + num_steps - 1
+            for _ in range(num_steps):
+                seq.append_token(data.draw(tokens))
+                if seq.get_output_len() >= MAX_TOKENS or data.draw(st.integers(0, 4)) == 0:
+                    seq.status = SequenceStatus.FINISHED_STOPPED
+                    self.scheduler.free_seq(seq)
+                    break
+        self.scheduler.on_step_done(out, num_steps)
+        self.scheduler.free_finished_seq_groups()
+
+    def _step(self, next_token, stop_now, out: SchedulerOutput | None = None) -> SchedulerOutput:
+        if out is None:
+            out = self.scheduler.schedule()
+            self._check_output(out)
         self.scheduler.on_step_done(out)
         for scheduled in out.scheduled_seq_groups:
             if not scheduled.do_sample:
