@@ -108,6 +108,12 @@ class SamplingParams:
         return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
 
     @property
+    def has_penalties(self) -> bool:
+        """Repetition, frequency or presence penalty: sampling reads the output so far."""
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)
+
+    @property
     def actual_best_of(self) -> int:
         return self.best_of if self.best_of is not None else self.n
 

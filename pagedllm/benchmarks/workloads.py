@@ -454,14 +454,20 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
     return total
 
 
-def bench_decode(args: argparse.Namespace) -> Report:
-    rng = random.Random(args.seed)
-    prompts = random_prompts(rng, args.num_requests, args.input_len)
-    n_out = args.output_len[1]
-    params = SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True)
+def _timed_greedy_run(args: argparse.Namespace) -> tuple[Any, RunResult, list, list[list[int]]]:
+    """decode-8b and throughput-8b: random prompts, greedy, every output full length, timed
+    after a warm-up. Returns the engine (for its stats and model), the result, the outputs
+    and the prompts."""
+    prompts = random_prompts(random.Random(args.seed), args.num_requests, args.input_len)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len[1], ignore_eos=True)
     llm = make_llm(args)
     warm_up(llm)
     result, outs = timed_generate(llm, "pagedllm", prompts, [params] * len(prompts))
+    return llm, result, outs, prompts
+
+
+def bench_decode(args: argparse.Namespace) -> Report:
+    llm, result, outs, _ = _timed_greedy_run(args)
     # Decode speed per request: tokens after the first over the time between first and last.
     rates = []
     for o in outs:
@@ -488,13 +494,7 @@ def bench_decode(args: argparse.Namespace) -> Report:
 
 
 def bench_throughput(args: argparse.Namespace) -> Report:
-    rng = random.Random(args.seed)
-    prompts = random_prompts(rng, args.num_requests, args.input_len)
-    n_out = args.output_len[1]
-    params = SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True)
-    llm = make_llm(args)
-    warm_up(llm)
-    ours, _ = timed_generate(llm, "pagedllm", prompts, [params] * len(prompts))
+    llm, ours, _, prompts = _timed_greedy_run(args)
     preemptions = llm.engine.get_stats().num_preemptions
     del llm
     free_memory()
@@ -502,8 +502,8 @@ def bench_throughput(args: argparse.Namespace) -> Report:
     summary: dict[str, Any] = {"prompts": "random token ids in [0, 10000)",
                                "num_preemptions": preemptions}
     if args.peer:
-        runs.append(run_peer("transformers CB", _continuous_batching_peer(args, prompts, n_out),
-                             len(prompts), ours.input_tokens))
+        peer = _continuous_batching_peer(args, prompts, args.output_len[1])
+        runs.append(run_peer("transformers CB", peer, len(prompts), ours.input_tokens))
         summary["ratio"] = _ratio(runs[0], runs[1])
     return Report("throughput-8b", WORKLOADS["throughput-8b"].description, runs, summary,
                   THROUGHPUT_COLUMNS)

@@ -211,8 +211,7 @@ class LLMEngine:
                 return 1
             seq = next(iter(group.seqs_dict.values()))
             p = group.sampling_params
-            if (seq.num_uncomputed_tokens != 1 or p.repetition_penalty != 1.0
-                    or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+            if (seq.num_uncomputed_tokens != 1 or p.has_penalties
                     or seq.get_output_len() < p.min_tokens):
                 return 1
             room = self.max_model_len - seq.get_len() + 1

@@ -142,8 +142,7 @@ class Sampler:
 
 def _modifies_logits(row: SamplingRow) -> bool:
     p = row.params
-    return bool(p.logit_bias) or len(row.output_token_ids) < p.min_tokens or (
-        p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0)
+    return bool(p.logit_bias) or len(row.output_token_ids) < p.min_tokens or p.has_penalties
 
 
 def _sample_rows(rows: list[SamplingRow], device: torch.device) -> torch.Tensor | None:
@@ -185,13 +184,7 @@ def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device
 
 def _apply_penalties(x: torch.Tensor, rows: list[SamplingRow]) -> None:
     """Repetition penalty (prompt + output, HF rule), then frequency and presence (output)."""
-    chosen = [
-        i
-        for i, r in enumerate(rows)
-        if r.params.repetition_penalty != 1.0
-        or r.params.frequency_penalty != 0.0
-        or r.params.presence_penalty != 0.0
-    ]
+    chosen = [i for i, r in enumerate(rows) if r.params.has_penalties]
     if not chosen:
         return
     vocab, device = x.shape[1], x.device
