@@ -198,7 +198,7 @@ def test_rotary_cos_sin_cache_matches_the_torch_rotation():
     q = torch.randn(5, 4, 32, generator=g)
     k = torch.randn(5, 2, 32, generator=g)
     positions = torch.tensor([0, 3, 17, 40, 63])
-    want_q, want_k = rotary(positions, q, k)  # CPU tensors: the torch path
+    want_q, want_k = rotary(positions, q.clone(), k.clone())  # the CPU path (may rotate in place)
     got_q, got_k = q.clone(), k.clone()
     triton_ops.triton_rotary_embedding(positions, got_q, got_k, rotary.cos_sin_cache(CPU))
     torch.testing.assert_close(got_q, want_q, rtol=1e-5, atol=1e-5)

@@ -1,6 +1,7 @@
 """PagedAttention: write this step's K/V into the paged cache, then attend over it.
 
-CUDA tensors go to the Triton kernels; everything else to the pure-torch reference. Neither
+CUDA tensors go to the Triton kernels. On the CPU, decode-only steps go to the C kernel
+(kernels/cpu) when it is built, everything else to the pure-torch reference. Neither
 reads device values on the host, so a decode step can be captured in a CUDA graph (the split
 count then comes fixed from the metadata).
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedllm.kernels import cpu as cpu_kernels
 from pagedllm.kernels import reference
 from pagedllm.layers.metadata import PagedAttentionInputMetadata
 
@@ -69,6 +71,14 @@ class PagedAttention(nn.Module):
             write(k, v, kv_cache, meta.slot_mapping)
             out = attend(q, kv_cache, meta, self.scale, self.sliding_window, alibi,
                          num_splits=meta.num_splits)
+        elif cpu_kernels.applies(q, k, v, kv_cache) and cpu_kernels.rows_contiguous(k, v):
+            cpu_kernels.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+            if meta.is_decode_only:
+                out = cpu_kernels.paged_attention_decode(q, kv_cache, meta, self.scale,
+                                                         self.sliding_window, alibi)
+            else:
+                out = reference.paged_attention(q, kv_cache, meta, self.scale,
+                                                self.sliding_window, alibi, key=k, value=v)
         else:
             reference.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
             out = reference.paged_attention(q, kv_cache, meta, self.scale, self.sliding_window,

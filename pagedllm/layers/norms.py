@@ -1,9 +1,11 @@
-"""RMSNorm with the residual add folded in (one pass over the hidden states; one Triton
-kernel on CUDA)."""
+"""RMSNorm with the residual add folded in (one pass over the hidden states: one Triton
+kernel on CUDA, one C kernel on the CPU in fp32)."""
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from pagedllm.kernels import cpu as cpu_kernels
 
 
 class RMSNorm(nn.Module):
@@ -26,6 +28,8 @@ class RMSNorm(nn.Module):
             from pagedllm.kernels.triton_ops import triton_rms_norm
 
             return triton_rms_norm(x, self.weight, self.eps, residual)
+        if cpu_kernels.applies(x, self.weight, *([residual] if residual is not None else [])):
+            return cpu_kernels.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.kernels import cpu as cpu_kernels
 from pagedllm.layers.metadata import PagedAttentionInputMetadata
 
 
@@ -70,13 +71,17 @@ class RotaryEmbedding(nn.Module):
         k: torch.Tensor,
         meta: PagedAttentionInputMetadata | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]. On CUDA, rotated in place.
+        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]. On CUDA, and by the C kernel on
+        the CPU in fp32, rotated in place.
         With the step's metadata (whose positions these are), the CPU path looks up the
         positions' cos/sin rows once per step instead of once per layer."""
         if q.is_cuda and q.stride(-1) == 1 and k.stride(-1) == 1:
             from pagedllm.kernels.triton_ops import triton_rotary_embedding
 
             triton_rotary_embedding(positions, q, k, self.cos_sin_cache(q.device))
+            return q, k
+        if cpu_kernels.applies(q, k) and cpu_kernels.rows_contiguous(q, k):
+            cpu_kernels.rotary_embedding_(positions, q, k, *self.tables(q.device))
             return q, k
         if meta is None:
             cos, sin = self._rows(positions, q.dtype)

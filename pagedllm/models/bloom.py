@@ -14,6 +14,7 @@ from torch import nn
 from pagedllm.config import ModelConfig
 from pagedllm.kernels.reference import alibi_slopes
 from pagedllm.layers.attention import PagedAttention
+from pagedllm.layers.linear import Linear, compute_logits
 from pagedllm.layers.metadata import PagedAttentionInputMetadata
 from pagedllm.worker.device_map import DeviceMap
 
@@ -41,8 +42,8 @@ class BloomAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         # Our fused layout is [all q | all k | all v]; load_weights reorders Bloom's per-head one.
-        self.query_key_value = nn.Linear(config.hidden_size, 3 * self.q_size)
-        self.dense = nn.Linear(self.q_size, config.hidden_size)
+        self.query_key_value = Linear(config.hidden_size, 3 * self.q_size)
+        self.dense = Linear(self.q_size, config.hidden_size)
         # The slopes are plain CPU data, even while the model is built on the meta device.
         with torch.device("cpu"):
             slopes = alibi_slopes(self.num_heads)
@@ -65,8 +66,8 @@ class BloomAttention(nn.Module):
 class BloomMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.dense_h_to_4h = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.dense_4h_to_h = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.dense_h_to_4h = Linear(config.hidden_size, config.intermediate_size)
+        self.dense_4h_to_h = Linear(config.intermediate_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x), approximate="tanh"))
@@ -111,7 +112,7 @@ class BloomForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     # Device placement: the embedding sits with the first layer, norm and head with the last.
     def layer_device(self, i: int) -> torch.device:
@@ -147,8 +148,7 @@ class BloomForCausalLM(nn.Module):
         return self.norm(state[0])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden.to(weight.device), weight).float()
+        return compute_logits(self, hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors, reordering the fused qkv as they arrive."""

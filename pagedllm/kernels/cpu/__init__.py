@@ -1,0 +1,128 @@
+"""C kernels for the CPU (built by build.py): the KV cache write, decode attention read
+straight from the paged cache, RMSNorm with the residual add, and rotary embedding in place.
+fp32 only.
+
+The pure-torch code (kernels/reference.py, layers/) stays the oracle in tests and the path
+wherever these do not apply: other dtypes, no C compiler, PAGEDLLM_CPU_KERNELS=0.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from pagedllm.kernels.cpu.build import load_library
+from pagedllm.layers.metadata import PagedAttentionInputMetadata
+
+_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+_SIGNATURES = {
+    "paged_attention_decode_f32":
+        [_ptr] * 5 + [_i64, _ptr] + [_i64] * 5 + [_f32, _i64, _ptr, _i64, _i64],
+    "write_kv_cache_f32": [_ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64],
+    "rms_norm_f32": [_ptr] * 5 + [_i64, _i64, _f32, _i64],
+    "rotary_embedding_f32": [_ptr, _i64, _ptr, _i64] + [_ptr] * 3 + [_i64] * 5,
+}
+
+
+@functools.cache
+def _kernel(name: str):
+    lib = load_library()
+    if lib is None:
+        return None
+    fn = getattr(lib, name)
+    fn.argtypes, fn.restype = _SIGNATURES[name], None
+    return fn
+
+
+def applies(*tensors: torch.Tensor) -> bool:
+    """The C kernels take these tensors: all fp32 on the CPU, and the library is built."""
+    return (all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+            and load_library() is not None)
+
+
+def _ptr_or_none(t: torch.Tensor | None) -> int | None:
+    return t.data_ptr() if t is not None else None
+
+
+def rows_contiguous(*tensors: torch.Tensor) -> bool:
+    """Each [T, heads, head_dim] has its heads back to back within each token (a token's row
+    may be a slice of a wider one, as q, k and v are of the fused qkv projection)."""
+    return all(x.dim() == 3 and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]
+               for x in tensors)
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """What reference.write_kv_cache does: each token's K and V into its slot (-1: skip)."""
+    if not (rows_contiguous(key, value) and kv_cache.is_contiguous()):
+        raise ValueError("write_kv_cache needs each token's heads contiguous and a contiguous cache")
+    slots = slot_mapping.contiguous()
+    row = key.shape[1] * key.shape[2]
+    _kernel("write_kv_cache_f32")(
+        kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), key.data_ptr(), key.stride(0),
+        value.data_ptr(), value.stride(0), slots.data_ptr(), key.shape[0], row,
+    )
+
+
+def paged_attention_decode(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim], one token per sequence
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    meta: PagedAttentionInputMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    alibi: torch.Tensor | None = None,  # [num_heads] slopes
+) -> torch.Tensor:
+    """What reference.paged_attention computes for a decode-only step."""
+    if not meta.is_decode_only:
+        raise ValueError("paged_attention_decode takes decode-only steps (one query per sequence)")
+    query, kv_cache = query.contiguous(), kv_cache.contiguous()
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    num_seqs, num_heads, _ = query.shape
+    tables, seq_lens = meta.block_tables.contiguous(), meta.seq_lens.contiguous()
+    alibi = alibi.float().contiguous() if alibi is not None else None
+    out = torch.empty_like(query)
+    _kernel("paged_attention_decode_f32")(
+        out.data_ptr(), query.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+        tables.data_ptr(), tables.shape[1], seq_lens.data_ptr(), num_seqs, num_heads,
+        num_kv_heads, head_dim, block_size, scale, sliding_window or 0, _ptr_or_none(alibi),
+        meta.max_seq_len, torch.get_num_threads(),
+    )
+    return out
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm.forward: norm(x), or (norm(x + residual), x + residual)."""
+    x, weight = x.contiguous(), weight.contiguous()
+    dim = x.shape[-1]
+    out = torch.empty_like(x)
+    residual_out = None
+    if residual is not None:
+        residual = residual.contiguous()
+        residual_out = torch.empty_like(x)
+    _kernel("rms_norm_f32")(
+        out.data_ptr(), _ptr_or_none(residual_out), x.data_ptr(), _ptr_or_none(residual),
+        weight.data_ptr(), x.numel() // dim if dim else 0, dim, eps, torch.get_num_threads(),
+    )
+    return out if residual is None else (out, residual_out)
+
+
+def rotary_embedding_(
+    positions: torch.Tensor,  # [T] int64
+    q: torch.Tensor,  # [T, heads, head_dim], heads contiguous within a token
+    k: torch.Tensor,  # [T, kv_heads, head_dim]
+    cos: torch.Tensor,  # [max_position, head_dim]
+    sin: torch.Tensor,
+) -> None:
+    """Rotate q and k in place (rotate-half layout)."""
+    if not rows_contiguous(q, k):
+        raise ValueError("rotary_embedding_ needs each token's heads contiguous")
+    positions = positions.contiguous()
+    _kernel("rotary_embedding_f32")(
+        q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), positions.data_ptr(),
+        cos.data_ptr(), sin.data_ptr(), q.shape[0], q.shape[1], k.shape[1], q.shape[2],
+        torch.get_num_threads(),
+    )

@@ -1,0 +1,138 @@
+/* Decode attention straight from the paged KV cache, for the CPU.
+ *
+ * The pure-torch path (kernels/reference.py) gathers every decoding sequence's blocks into a
+ * padded [seqs, max_len] copy, then runs scaled_dot_product_attention over it: each layer
+ * writes and reads the whole context twice more than it has to. Here each sequence reads its
+ * own keys and values once, block by block, through its block table, and its query heads
+ * share every key and value row they read (grouped-query attention). One OpenMP task per
+ * sequence; fp32 accumulation throughout.
+ *
+ * Layout (see layers/metadata.py): key_cache and value_cache [num_blocks, block_size,
+ * num_kv_heads, head_dim]; query and out [num_seqs, num_heads, head_dim], one query token
+ * per sequence at position seq_lens[s] - 1; block_tables [num_seqs, table_stride].
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+#if defined(__AVX512F__)
+    if (n % 32 == 0) {
+        __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+        for (int64_t i = 0; i < n; i += 32) {
+            acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
+            acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), acc1);
+        }
+        return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+    }
+#endif
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t i = 0; i < n; i++) acc += a[i] * b[i];
+    return acc;
+}
+
+static inline void axpy(float *y, float a, const float *x, int64_t n) {
+#if defined(__AVX512F__)
+    if (n % 16 == 0) {
+        const __m512 va = _mm512_set1_ps(a);
+        for (int64_t i = 0; i < n; i += 16)
+            _mm512_storeu_ps(y + i, _mm512_fmadd_ps(va, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+        return;
+    }
+#endif
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
+}
+
+/* One sequence: scores [num_heads, len] of scratch, then out[h] = softmax(scores[h]) . V. */
+static void attend_one(float *out, const float *q, const float *key_cache,
+                       const float *value_cache, const int32_t *table, int64_t len,
+                       int64_t start, int64_t num_heads, int64_t num_kv_heads,
+                       int64_t head_dim, int64_t block_size, float scale, const float *alibi,
+                       float *scores) {
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t token_stride = num_kv_heads * head_dim;
+    const int64_t span = len - start;
+    for (int64_t t = start; t < len;) {
+        const int64_t offset = t % block_size;
+        const int64_t end = t - offset + block_size < len ? t - offset + block_size : len;
+        const float *k = key_cache + ((int64_t)table[t / block_size] * block_size + offset) * token_stride;
+        for (; t < end; t++, k += token_stride) {
+            float *s = scores + (t - start);
+            for (int64_t g = 0, h = 0; g < num_kv_heads; g++)
+                for (int64_t j = 0; j < group; j++, h++)
+                    s[h * span] = dot(q + h * head_dim, k + g * head_dim, head_dim) * scale;
+        }
+    }
+    if (alibi)
+        for (int64_t h = 0; h < num_heads; h++)
+            for (int64_t t = start; t < len; t++)
+                scores[h * span + (t - start)] += alibi[h] * (float)(t - (len - 1));
+    for (int64_t h = 0; h < num_heads; h++) {
+        float *p = scores + h * span;
+        float max = -INFINITY, sum = 0.0f;
+#pragma omp simd reduction(max : max)
+        for (int64_t i = 0; i < span; i++) max = p[i] > max ? p[i] : max;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < span; i++) {
+            p[i] = expf(p[i] - max);
+            sum += p[i];
+        }
+        const float inv = 1.0f / sum;
+#pragma omp simd
+        for (int64_t i = 0; i < span; i++) p[i] *= inv;
+    }
+    memset(out, 0, sizeof(float) * num_heads * head_dim);
+    for (int64_t t = start; t < len;) {
+        const int64_t offset = t % block_size;
+        const int64_t end = t - offset + block_size < len ? t - offset + block_size : len;
+        const float *v = value_cache + ((int64_t)table[t / block_size] * block_size + offset) * token_stride;
+        for (; t < end; t++, v += token_stride) {
+            const float *p = scores + (t - start);
+            for (int64_t g = 0, h = 0; g < num_kv_heads; g++)
+                for (int64_t j = 0; j < group; j++, h++)
+                    axpy(out + h * head_dim, p[h * span], v + g * head_dim, head_dim);
+        }
+    }
+}
+
+void paged_attention_decode_f32(float *out, const float *query, const float *key_cache,
+                                const float *value_cache, const int32_t *block_tables,
+                                int64_t table_stride, const int32_t *seq_lens,
+                                int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                                int64_t head_dim, int64_t block_size, float scale,
+                                int64_t sliding_window, const float *alibi,
+                                int64_t max_seq_len, int64_t num_threads) {
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *scores = malloc(sizeof(float) * num_heads * (max_seq_len > 0 ? max_seq_len : 1));
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t s = 0; s < num_seqs; s++) {
+            const int64_t len = seq_lens[s];
+            const int64_t start =
+                sliding_window > 0 && len > sliding_window ? len - sliding_window : 0;
+            attend_one(out + s * num_heads * head_dim, query + s * num_heads * head_dim,
+                       key_cache, value_cache, block_tables + s * table_stride, len, start,
+                       num_heads, num_kv_heads, head_dim, block_size, scale, alibi, scores);
+        }
+        free(scores);
+    }
+}
+
+/* reshape_and_cache: copy each token's key and value rows (num_kv_heads * head_dim floats,
+ * at the given row strides) into its cache slot; slot -1 means "do not write". */
+void write_kv_cache_f32(float *key_cache, float *value_cache, const float *key,
+                        int64_t key_stride, const float *value, int64_t value_stride,
+                        const int64_t *slots, int64_t num_tokens, int64_t row) {
+    for (int64_t t = 0; t < num_tokens; t++) {
+        if (slots[t] < 0) continue;
+        memcpy(key_cache + slots[t] * row, key + t * key_stride, sizeof(float) * row);
+        memcpy(value_cache + slots[t] * row, value + t * value_stride, sizeof(float) * row);
+    }
+}

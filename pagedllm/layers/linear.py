@@ -1,0 +1,89 @@
+"""Linear layers whose CPU fp32 weights are prepacked for MKL's GEMM.
+
+MKL can lay a GEMM's weight matrix out once in its own blocked format (`cblas_sgemm_pack`)
+and skip that work on every call. On this project's 2-core CPU that makes the linears of a
+32-sequence decode step about 20% faster and prompt batches up to 10% faster, with the same
+sums (the results match F.linear). torch exposes it as the `mkl::_mkl_linear` op, the one
+its own compiler uses for frozen CPU models; the packed copy takes as much memory again as
+the weights it packs. Anywhere else (CUDA, other dtypes, no MKL) a Linear is nn.Linear.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+def _mkl_ops_available() -> bool:
+    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+
+
+def pack_for_mkl(weight: torch.Tensor) -> torch.Tensor | None:
+    """MKL's packed copy of a CPU fp32 [out, in] weight, or None where packing does not apply.
+
+    The packed layout does not depend on the batch size it was packed for (checked here on
+    a few sizes against F.linear), so one copy serves every batch: `linear` passes each call's
+    own row count as the op's batch size, which takes its packed path."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not _mkl_ops_available():
+        return None
+    weight = weight.detach().contiguous()
+    packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, 32)
+    for rows in (1, 7, 64):
+        x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows))
+        got, want = torch.ops.mkl._mkl_linear(x, packed, weight, None, rows), F.linear(x, weight)
+        # A wrong layout gives unrelated numbers; a right one differs by rounding at most.
+        if (got - want).abs().max() > 1e-4 * want.abs().max():
+            logger.warning("MKL's packed GEMM disagrees with F.linear: weights stay unpacked")
+            return None
+    return packed
+
+
+# Above this many rows (prompt batches) the packed GEMM measured slower than F.linear here.
+MAX_PACKED_ROWS = 128
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, through MKL's packed weight where there is one and the batch is small."""
+    rows = x.reshape(-1, x.shape[-1])
+    if (packed is None or x.device.type != "cpu" or x.dtype != torch.float32
+            or rows.shape[0] > MAX_PACKED_ROWS):
+        return F.linear(x, weight, bias)
+    out = torch.ops.mkl._mkl_linear(rows, packed, weight, bias, rows.shape[0])
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+class Linear(nn.Linear):
+    """nn.Linear that uses a packed copy of its weight once `prepack()` made one."""
+
+    packed: torch.Tensor | None = None
+
+    def prepack(self) -> bool:
+        self.packed = pack_for_mkl(self.weight)
+        return self.packed is not None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.packed)
+
+
+def prepack_model(model: nn.Module) -> int:
+    """Pack every Linear of the model whose weight is CPU fp32, and the input embedding when
+    it doubles as the LM head (tied embeddings); the number of weights packed."""
+    count = sum(m.prepack() for m in model.modules() if isinstance(m, Linear))
+    if getattr(model, "lm_head", True) is None:
+        model.packed_tied_head = pack_for_mkl(model.embed_tokens.weight)
+        count += model.packed_tied_head is not None
+    return count
+
+
+def compute_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """fp32 logits from the model's LM head, or from its input embedding when tied."""
+    if model.lm_head is not None:
+        weight, packed = model.lm_head.weight, model.lm_head.packed
+    else:
+        weight, packed = model.embed_tokens.weight, getattr(model, "packed_tied_head", None)
+    return linear(hidden.to(weight.device), weight, packed=packed).float()

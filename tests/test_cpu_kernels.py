@@ -1,0 +1,213 @@
+"""The C kernels of the CPU path (pagedllm/kernels/cpu) against the pure-torch code they
+replace, which stays the oracle: the KV cache write, decode attention, RMSNorm, rotary; a
+whole model with and without them; the packed MKL linears; and the fallback when the library
+cannot be built."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from pagedllm.config import ModelConfig
+from pagedllm.kernels import cpu as cpu_kernels
+from pagedllm.kernels import reference
+from pagedllm.kernels.cpu import build
+from pagedllm.layers.linear import Linear, linear, pack_for_mkl, prepack_model
+from pagedllm.layers.norms import RMSNorm
+from pagedllm.layers.rotary import RotaryEmbedding
+from pagedllm.loader import initialize_dummy_weights
+from pagedllm.models.registry import build_model
+from tests.paged_helpers import PagedRunner
+from tests.test_reference_attention import naive_attention, random_step
+
+pytestmark = pytest.mark.skipif(build.load_library() is None,
+                                reason="no C compiler: the CPU runs the pure-torch kernels")
+
+
+@pytest.fixture
+def torch_path(monkeypatch):
+    """Route every layer to the pure-torch code, as on a machine without the library."""
+    monkeypatch.setattr(cpu_kernels, "applies", lambda *tensors: False)
+
+
+def fused_qkv(tokens: int, heads: int, kv_heads: int, d: int, seed: int = 0):
+    """q, k, v as the model has them: [T, heads, d] views into one [T, (heads + 2 kv) d]."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=g)
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    return (q.view(tokens, heads, d), k.view(tokens, kv_heads, d), v.view(tokens, kv_heads, d))
+
+
+# ----------------------------------------------------------------------------- KV cache write
+
+
+def test_write_kv_cache_matches_the_reference_and_skips_minus_one_slots():
+    _, k, v = fused_qkv(6, heads=4, kv_heads=2, d=16)
+    assert not k.is_contiguous()  # strided rows, read in place
+    slots = torch.tensor([5, -1, 0, 17, -1, 9])
+    want = torch.zeros(2, 5, 4, 2, 16)
+    got = want.clone()
+    reference.write_kv_cache(k, v, want, slots)
+    cpu_kernels.write_kv_cache(k, v, got, slots)
+    assert torch.equal(got, want)
+    assert got.view(2, -1, 2, 16)[:, [1, 2, 3, 4]].abs().sum() == 0  # nothing else written
+
+
+# ----------------------------------------------------------------------------- decode attention
+
+DECODE_LENS = [1, 5, 8, 13, 40, 37, 2, 64, 129]
+
+
+@pytest.mark.parametrize("heads,kv_heads,d", [(6, 2, 16), (9, 3, 64), (8, 8, 128), (4, 1, 24)])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_decode_attention_matches_float64_attention(heads, kv_heads, d, block_size):
+    """head_dim 64 and 128 take the AVX-512 loops (where built for), 16 and 24 the generic."""
+    cache, meta, query, key, value, keys, values = random_step(
+        DECODE_LENS, [1] * len(DECODE_LENS), heads=heads, kv_heads=kv_heads, d=d,
+        block_size=block_size, seed=d)
+    reference.write_kv_cache(key, value, cache, meta.slot_mapping)
+    out = cpu_kernels.paged_attention_decode(query, cache, meta, d ** -0.5)
+    assert not out.isnan().any(), "read a slot the sequence does not own"
+    for i, (s, k, v) in enumerate(zip(DECODE_LENS, keys, values)):
+        want = naive_attention(query[i:i + 1], k, v, s, d ** -0.5)
+        torch.testing.assert_close(out[i:i + 1].double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["sliding_window", "alibi"])
+def test_decode_attention_sliding_window_and_alibi(variant):
+    heads = 6
+    cache, meta, query, key, value, keys, values = random_step(
+        DECODE_LENS, [1] * len(DECODE_LENS), heads=heads, kv_heads=2, d=64, seed=7)
+    reference.write_kv_cache(key, value, cache, meta.slot_mapping)
+    window = 6 if variant == "sliding_window" else None
+    slopes = reference.alibi_slopes(heads) if variant == "alibi" else None
+    out = cpu_kernels.paged_attention_decode(query, cache, meta, 0.125, window, slopes)
+    want = reference.paged_attention(query, cache, meta, 0.125, window, slopes)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    for i, (s, k, v) in enumerate(zip(DECODE_LENS, keys, values)):
+        expected = naive_attention(query[i:i + 1], k, v, s, 0.125, window, slopes)
+        torch.testing.assert_close(out[i:i + 1].double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_attention_rejects_a_prompt_step():
+    cache, meta, query, *_ = random_step([9, 4], [9, 1])
+    with pytest.raises(ValueError, match="takes decode-only steps"):
+        cpu_kernels.paged_attention_decode(query, cache, meta, 0.25)
+
+
+# ----------------------------------------------------------------------------- norm and rotary
+
+
+@pytest.mark.parametrize("rows", [1, 32, 700])  # 700 x 576 runs threaded
+def test_rms_norm_matches_the_torch_path(rows, torch_path):
+    norm = RMSNorm(576, eps=1e-5)
+    g = torch.Generator().manual_seed(rows)
+    norm.weight.data = torch.randn(576, generator=g)
+    # Small activations (mean square near eps): a wrong eps shows.
+    x = torch.randn(rows, 576, generator=g) * 3e-3
+    residual = torch.randn(rows, 576, generator=g) * 3e-3
+    want_alone = norm(x)
+    want_out, want_sum = norm(x, residual)
+    got_alone = cpu_kernels.rms_norm(x, norm.weight, 1e-5)
+    got_out, got_sum = cpu_kernels.rms_norm(x, norm.weight, 1e-5, residual)
+    torch.testing.assert_close(got_alone, want_alone, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_out, want_out, rtol=1e-5, atol=1e-6)
+    assert torch.equal(got_sum, want_sum)
+
+
+def test_rotary_in_place_matches_the_torch_path(torch_path):
+    rotary = RotaryEmbedding(head_dim=64, max_position=256, theta=1e5)
+    q, k, _ = fused_qkv(7, heads=9, kv_heads=3, d=64, seed=2)
+    positions = torch.tensor([0, 1, 17, 100, 255, 3, 64])
+    want_q, want_k = rotary(positions, q, k)  # the torch path returns new tensors
+    got_q, got_k = q.clone(), k.clone()
+    cpu_kernels.rotary_embedding_(positions, got_q, got_k, *rotary.tables(torch.device("cpu")))
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+
+
+def test_rotary_rejects_heads_that_are_not_contiguous():
+    rotary = RotaryEmbedding(head_dim=8, max_position=16, theta=1e4)
+    q = torch.randn(3, 8, 4).transpose(1, 2)  # [3, 4 heads, 8] with strided heads
+    with pytest.raises(ValueError, match="needs each token's heads contiguous"):
+        cpu_kernels.rotary_embedding_(torch.arange(3), q, q, *rotary.tables(torch.device("cpu")))
+
+
+# ----------------------------------------------------------------------------- a whole model
+
+
+def test_model_logits_match_the_pure_torch_path(monkeypatch):
+    """Prefill then decode steps of a small Llama (head_dim 64, tied embeddings): the C
+    kernels and packed linears against plain torch."""
+    config = ModelConfig(architecture="llama", vocab_size=300, hidden_size=256,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=384, max_position_embeddings=128,
+                         tie_word_embeddings=True)
+    model = build_model(config)
+    initialize_dummy_weights(model, seed=5)
+    model.eval()
+    prompts = {0: [3, 14, 15, 92, 65, 35], 1: [8, 9], 2: list(range(1, 20))}
+
+    def run() -> list[torch.Tensor]:
+        runner = PagedRunner(model, config, num_blocks=32, block_size=4)
+        logits = [runner.step(prompts)]
+        ends = torch.tensor([5, 7, 26])  # each sequence's last prompt token in the flat batch
+        next_ids = logits[0][ends].argmax(-1)
+        for _ in range(4):
+            logits.append(runner.step({s: [int(t)] for s, t in zip(prompts, next_ids)}))
+            next_ids = logits[-1].argmax(-1)
+        return logits
+
+    with monkeypatch.context() as patch:
+        patch.setattr(cpu_kernels, "applies", lambda *tensors: False)
+        plain = run()
+    assert prepack_model(model) == 2 * 4 + 1  # 4 linears per layer, and the tied head
+    fused = run()
+    for want, got in zip(plain, fused):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- packed linears
+
+
+@pytest.mark.parametrize("rows", [1, 32, 129, 600])
+def test_packed_linear_matches_f_linear(rows):
+    layer = Linear(576, 1536, bias=True)
+    x = torch.randn(rows, 576)
+    want = layer(x)
+    assert layer.prepack()
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer(x.view(1, rows, 576)), want.view(1, rows, 1536),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_packing_skips_what_it_cannot_pack():
+    assert pack_for_mkl(torch.randn(8, 4, dtype=torch.bfloat16)) is None
+    x, w = torch.randn(2, 4, dtype=torch.bfloat16), torch.randn(8, 4, dtype=torch.bfloat16)
+    torch.testing.assert_close(linear(x, w, packed=None), torch.nn.functional.linear(x, w))
+
+
+# ----------------------------------------------------------------------------- building
+
+
+def test_no_library_without_a_working_compiler(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    with caplog.at_level(logging.WARNING):
+        assert build.load_library.__wrapped__() is None
+    assert "could not build the CPU kernels" in caplog.text
+    assert list(tmp_path.rglob("*.so")) == []  # no torn library left behind
+
+
+def test_kernels_can_be_switched_off(monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_CPU_KERNELS", "0")
+    assert build.load_library.__wrapped__() is None
+
+
+def test_library_is_built_once_and_cached(monkeypatch, tmp_path):
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+    assert build.load_library.__wrapped__() is not None
+    (built,) = tmp_path.rglob("*.so")
+    stamp = built.stat().st_mtime_ns
+    assert build.load_library.__wrapped__() is not None
+    assert built.stat().st_mtime_ns == stamp
