@@ -49,6 +49,7 @@ def test_overriding_one_end_of_a_range():
      "--min-tokens (9) is above --max-tokens (5)"),
     (["cpu", "--max-tokens", "0"], "--max-tokens must be at least 1, got 0"),
     (["cpu", "--num-requests", "0"], "--num-requests must be at least 1, got 0"),
+    (["cpu", "--repeats", "0"], "--repeats must be at least 1"),
     (["prefix-8b", "--device", "cpu", "--prefix-len", "0"], "--prefix-len must be at least 1"),
     (["warp-speed"], "unknown benchmark workload 'warp-speed'"),
     (["cpu", "--frobnicate"], "unrecognized arguments: --frobnicate"),
@@ -115,7 +116,7 @@ def test_cpu_workload_runs_shrunk(tmp_path, capsys):
     # tokenizer) would take most of this test's time budget.
     out = tmp_path / "cpu.json"
     argv = ["cpu", "--model", "smollm2-135m", "--load-format", "dummy", "--num-requests", "2",
-            "--max-tokens", "4", "--max-input-len", "24", "--no-peer",
+            "--max-tokens", "4", "--max-input-len", "24", "--no-peer", "--repeats", "1",
             "--kv-cache-memory", "5e7", "--max-num-batched-tokens", "32", "--out", str(out)]
     assert workloads.main(argv) == 0
     data = json.loads(out.read_text())
@@ -134,3 +135,22 @@ def test_cpu_workload_runs_shrunk(tmp_path, capsys):
     printed = capsys.readouterr().out.strip().splitlines()
     assert printed[0].split()[:2] == ["run", "requests"]
     assert printed[2].startswith("pagedllm")
+
+
+def test_cpu_workload_alternates_the_engines_and_takes_the_median_ratio(tmp_path):
+    out = tmp_path / "cpu.json"
+    argv = ["cpu", "--model", "smollm2-135m", "--load-format", "dummy", "--num-requests", "2",
+            "--max-tokens", "3", "--max-input-len", "20", "--repeats", "3",
+            "--kv-cache-memory", "5e7", "--out", str(out)]
+    assert workloads.main(argv) == 0
+    data = json.loads(out.read_text())
+    names = [r["name"] for r in data["runs"]]
+    assert names == [f"{engine} #{i}" for i in (1, 2, 3)
+                     for engine in ("pagedllm", "transformers generate")]
+    assert all(r["output_tokens"] == 2 * 3 for r in data["runs"])
+    ours = sorted(r["output_tokens_per_s"] for r in data["runs"][0::2])
+    theirs = sorted(r["output_tokens_per_s"] for r in data["runs"][1::2])
+    assert data["summary"]["ratio"] == pytest.approx(ours[1] / theirs[1])
+    pairs = [a["output_tokens_per_s"] / b["output_tokens_per_s"]
+             for a, b in zip(data["runs"][0::2], data["runs"][1::2])]
+    assert data["summary"]["ratios_per_pair"] == ", ".join(f"{r:.3f}" for r in pairs)

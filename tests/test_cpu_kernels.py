@@ -1,7 +1,7 @@
 """The C kernels of the CPU path (pagedllm/kernels/cpu) against the pure-torch code they
-replace, which stays the oracle: the KV cache write, decode attention, RMSNorm, rotary; a
-whole model with and without them; the packed MKL linears; and the fallback when the library
-cannot be built."""
+replace, which stays the oracle: the KV cache write, decode attention, RMSNorm, rotary, the
+gated activation; a whole model with and without them; the packed MKL linears; and the
+fallback when the library cannot be built."""
 from __future__ import annotations
 
 import logging
@@ -124,6 +124,20 @@ def test_rotary_in_place_matches_the_torch_path(torch_path):
     got_q, got_k = q.clone(), k.clone()
     cpu_kernels.rotary_embedding_(positions, got_q, got_k, *rotary.tables(torch.device("cpu")))
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+
+
+@pytest.mark.parametrize("rows,dim", [(3, 1536), (700, 96), (5, 21)])  # 21: the scalar tail
+def test_silu_and_mul_matches_torch(rows, dim):
+    """Gates across the float range (the vectorised exp) against float64 and torch's silu."""
+    g = torch.Generator().manual_seed(dim)
+    gate = torch.linspace(-87.0, 87.0, rows * dim).view(rows, dim)
+    gate = gate[:, torch.randperm(dim, generator=g)]
+    x = torch.cat([gate, torch.randn(rows, dim, generator=g)], dim=-1)
+    got = cpu_kernels.silu_and_mul(x)
+    exact = (gate.double() * torch.sigmoid(gate.double())) * x[:, dim:].double()
+    torch.testing.assert_close(got.double(), exact, rtol=1e-6, atol=1e-30)
+    torch.testing.assert_close(got, torch.nn.functional.silu(gate) * x[:, dim:],
+                               rtol=1e-6, atol=1e-30)
 
 
 def test_rotary_rejects_heads_that_are_not_contiguous():

@@ -49,12 +49,13 @@ MAX_PACKED_ROWS = 128
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, through MKL's packed weight where there is one and the batch is small."""
-    rows = x.reshape(-1, x.shape[-1])
-    if (packed is None or x.device.type != "cpu" or x.dtype != torch.float32
-            or rows.shape[0] > MAX_PACKED_ROWS):
+    if packed is None or x.device.type != "cpu" or x.dtype != torch.float32:
+        return F.linear(x, weight, bias)
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    if rows.shape[0] > MAX_PACKED_ROWS:
         return F.linear(x, weight, bias)
     out = torch.ops.mkl._mkl_linear(rows, packed, weight, bias, rows.shape[0])
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 class Linear(nn.Linear):

@@ -1,6 +1,6 @@
 """C kernels for the CPU (built by build.py): the KV cache write, decode attention read
-straight from the paged cache, RMSNorm with the residual add, and rotary embedding in place.
-fp32 only.
+straight from the paged cache, RMSNorm with the residual add, rotary embedding in place, and
+the gated MLP activation. fp32 only.
 
 The pure-torch code (kernels/reference.py, layers/) stays the oracle in tests and the path
 wherever these do not apply: other dtypes, no C compiler, PAGEDLLM_CPU_KERNELS=0.
@@ -22,6 +22,7 @@ _SIGNATURES = {
         [_ptr] * 5 + [_i64, _ptr] + [_i64] * 5 + [_f32, _i64, _ptr, _i64, _i64],
     "write_kv_cache_f32": [_ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64],
     "rms_norm_f32": [_ptr] * 5 + [_i64, _i64, _f32, _i64],
+    "silu_and_mul_f32": [_ptr, _ptr, _i64, _i64, _i64],
     "rotary_embedding_f32": [_ptr, _i64, _ptr, _i64] + [_ptr] * 3 + [_i64] * 5,
 }
 
@@ -108,6 +109,16 @@ def rms_norm(
         weight.data_ptr(), x.numel() // dim if dim else 0, dim, eps, torch.get_num_threads(),
     )
     return out if residual is None else (out, residual_out)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[..., 2 * d] -> [..., d]: silu(gate) * up of a fused [gate | up] projection."""
+    x = x.contiguous()
+    dim = x.shape[-1] // 2
+    out = x.new_empty(*x.shape[:-1], dim)
+    _kernel("silu_and_mul_f32")(out.data_ptr(), x.data_ptr(), x.numel() // (2 * dim) if dim else 0,
+                                dim, torch.get_num_threads())
+    return out
 
 
 def rotary_embedding_(

@@ -25,6 +25,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SOURCES = sorted(Path(__file__).parent.glob("*.c"))
+HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 # -fno-math-errno as torch is built; -ffp-contract=off: a*b + c*d rounds as the torch ops do
 # (explicit FMA intrinsics still fuse).
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fopenmp", "-fPIC",
@@ -55,7 +56,7 @@ def _library_path(compiler: str) -> Path:
     digest = hashlib.sha256()
     for part in [version, " ".join(FLAGS), _cpu_identity(), platform.machine()]:
         digest.update(part.encode())
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
     return cache_dir() / f"pagedllm_cpu_{digest.hexdigest()[:16]}.so"
 

@@ -3,6 +3,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "vector_math.h"
+
 /* RMSNorm, optionally after adding the residual: with residual_in, sum = x + residual_in is
  * written to residual_out and normalised; without, x is. out = weight * sum / rms(sum). */
 void rms_norm_f32(float *out, float *residual_out, const float *x, const float *residual_in,
@@ -52,5 +54,27 @@ void rotary_embedding_f32(float *q, int64_t q_stride, float *k, int64_t k_stride
         const float *c = cos + positions[t] * head_dim, *s = sin + positions[t] * head_dim;
         rotate_heads(q + t * q_stride, num_heads, head_dim, c, s);
         rotate_heads(k + t * k_stride, num_kv_heads, head_dim, c, s);
+    }
+}
+
+/* The gated MLP activation on a fused [gate | up] projection: out = silu(gate) * up, with
+ * silu(g) = g / (1 + exp(-g)) as torch computes it. x: [rows, 2 * dim], out: [rows, dim]. */
+void silu_and_mul_f32(float *out, const float *x, int64_t rows, int64_t dim,
+                      int64_t num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * dim >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *gate = x + r * 2 * dim, *up = gate + dim;
+        float *dst = out + r * dim;
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        const __m512 one = _mm512_set1_ps(1.0f);
+        for (; i + 16 <= dim; i += 16) {
+            const __m512 g = _mm512_loadu_ps(gate + i);
+            const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+            const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, e));
+            _mm512_storeu_ps(dst + i, _mm512_mul_ps(silu, _mm512_loadu_ps(up + i)));
+        }
+#endif
+        for (; i < dim; i++) dst[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
     }
 }

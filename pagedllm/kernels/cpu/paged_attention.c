@@ -16,9 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "vector_math.h"
 
 static inline float dot(const float *a, const float *b, int64_t n) {
 #if defined(__AVX512F__)
@@ -79,8 +77,17 @@ static void attend_one(float *out, const float *q, const float *key_cache,
         float max = -INFINITY, sum = 0.0f;
 #pragma omp simd reduction(max : max)
         for (int64_t i = 0; i < span; i++) max = p[i] > max ? p[i] : max;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < span; i++) {
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        __m512 sums = _mm512_setzero_ps();
+        for (; i + 16 <= span; i += 16) {
+            const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(p + i), _mm512_set1_ps(max)));
+            _mm512_storeu_ps(p + i, e);
+            sums = _mm512_add_ps(sums, e);
+        }
+        sum = _mm512_reduce_add_ps(sums);
+#endif
+        for (; i < span; i++) {
             p[i] = expf(p[i] - max);
             sum += p[i];
         }

@@ -1,0 +1,28 @@
+/* exp for 16 floats at once (AVX-512): the C library's expf is scalar. Cephes' single
+ * precision method: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by a degree-7 polynomial,
+ * then scaled by 2^n. Within 2 ulp of expf over the whole float range. */
+#ifndef PAGEDLLM_VECTOR_MATH_H
+#define PAGEDLLM_VECTOR_MATH_H
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+static inline __m512 exp512(__m512 x) {
+    const __m512 limit = _mm512_set1_ps(88.3762626647949f);
+    x = _mm512_max_ps(_mm512_min_ps(x, limit), _mm512_sub_ps(_mm512_setzero_ps(), limit));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
+#endif
