@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import itertools
 import json
 import random
 import statistics
@@ -150,8 +149,8 @@ def build_parser(workload: Workload) -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     if w.name == "cpu":
         p.add_argument("--repeats", type=int, default=3,
-                       help="runs of each engine, alternating (default 3); the ratio is that "
-                       "of the median runs")
+                       help="pairs of runs, pagedllm then transformers, each pair on its "
+                       "own prompts (default 3); the ratio is the median of the pairs'")
     if w.name == "nano":
         p.add_argument("--temperature", type=float, default=0.6)
         p.add_argument("--peer-max-tokens", type=int, default=None,
@@ -362,56 +361,52 @@ def _continuous_batching_peer(args: argparse.Namespace, prompts: list[list[int]]
 
 
 def bench_cpu(args: argparse.Namespace) -> Report:
-    """pagedllm and transformers' `generate` on the same prompts, alternating `--repeats`
-    times with both loaded: on a noisy machine each pair runs under the same conditions, and
-    the ratio is that of the median runs."""
-    rng = random.Random(args.seed)
+    """pagedllm and transformers' `generate` on the same prompts, in `--repeats` pairs run
+    back to back with both engines loaded: on a noisy machine each pair runs under the same
+    conditions. Each pair has its own prompts (seed, seed + 1, ...), so no run reuses an
+    earlier run's prefix cache. The ratio is the median of the pairs' ratios."""
     llm = make_llm(args)
-    if llm.get_tokenizer() is not None:
-        prompts = text_prompts(llm.get_tokenizer(), rng, args.num_requests, args.input_len)
-        kind = "real text (tokenized windows of fixed passages)"
-    else:
-        prompts = random_prompts(rng, args.num_requests, args.input_len)
-        kind = "random token ids in [0, 10000)"
+    tokenizer = llm.get_tokenizer()
+    kind = ("real text (tokenized windows of fixed passages)" if tokenizer is not None
+            else "random token ids in [0, 10000)")
     max_tokens = args.output_len[1]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     warm_up(llm)
     peer_model: list[torch.nn.Module] = []
 
-    def peer() -> peers.PeerRun:
+    def peer(prompts: list[list[int]]) -> peers.PeerRun:
         if not peer_model:
             peer_model.append(peers.load_peer_model(
                 args.model, args.load_format, _dtype(args.dtype, args.device), args.device))
         return peers.hf_generate(peer_model[0], prompts, max_tokens)
 
-    ours: list[RunResult] = []
-    theirs: list[RunResult | dict] = []
+    runs: list[RunResult | dict] = []
+    ratios: list[float] = []
     for i in range(args.repeats):
+        rng = random.Random(args.seed + i)
+        prompts = (text_prompts(tokenizer, rng, args.num_requests, args.input_len)
+                   if tokenizer is not None
+                   else random_prompts(rng, args.num_requests, args.input_len))
         suffix = f" #{i + 1}" if args.repeats > 1 else ""
-        ours.append(timed_generate(llm, "pagedllm" + suffix, prompts,
-                                   [params] * len(prompts))[0])
-        if args.peer and (not theirs or isinstance(theirs[-1], RunResult)):
-            theirs.append(run_peer("transformers generate" + suffix, peer, len(prompts),
-                                   ours[-1].input_tokens))
-    del llm, peer_model
+        ours, _ = timed_generate(llm, "pagedllm" + suffix, prompts, [params] * len(prompts))
+        runs.append(ours)
+        if args.peer and not any(isinstance(r, dict) for r in runs):  # stop after a failure
+            theirs = run_peer("transformers generate" + suffix, lambda: peer(prompts),
+                              len(prompts), ours.input_tokens)
+            runs.append(theirs)
+            if isinstance(theirs, RunResult):
+                ratios.append(_ratio(ours, theirs))
+    del llm
+    peer_model.clear()
     free_memory()
     summary = {"prompts": kind, "output_len": max_tokens, "target_ratio": 2.0,
                "num_threads": torch.get_num_threads(), "repeats": args.repeats}
-    if theirs and all(isinstance(r, RunResult) for r in theirs):
-        pairs = [_ratio(a, b) for a, b in zip(ours, theirs)]
-        summary["ratio"] = ratio = _ratio(_median_run(ours), _median_run(theirs))
-        if len(pairs) > 1:
-            summary["ratios_per_pair"] = ", ".join(f"{r:.3f}" for r in pairs)
-        summary["meets_target"] = ratio is not None and ratio >= 2.0
-    runs: list[RunResult | dict] = [r for pair in itertools.zip_longest(ours, theirs)
-                                    for r in pair if r is not None]
+    if args.peer and len(ratios) == args.repeats:
+        summary["ratio"] = ratio = statistics.median(ratios)
+        if len(ratios) > 1:
+            summary["ratios_per_pair"] = ", ".join(f"{r:.3f}" for r in ratios)
+        summary["meets_target"] = ratio >= 2.0
     return Report("cpu", WORKLOADS["cpu"].description, runs, summary, THROUGHPUT_COLUMNS)
-
-
-def _median_run(runs: list[RunResult]) -> RunResult:
-    """The run with the median throughput (the lower middle one of an even count)."""
-    ranked = sorted(runs, key=lambda r: r.output_tokens_per_s)
-    return ranked[(len(ranked) - 1) // 2]
 
 
 def bench_nano(args: argparse.Namespace) -> Report:
