@@ -117,8 +117,20 @@ class Worker:
             initialize_dummy_weights(model, args.seed)
         else:
             model.load_weights(source.iter_weights(self.dtype))
-        prepack_model(model)
+        self._prepack_cpu_linears(model)
         return model.eval()
+
+    def _prepack_cpu_linears(self, model: nn.Module) -> None:
+        """MKL-packed copies of the CPU fp32 linear weights (layers/linear.py), when RAM holds
+        a second copy with room to spare."""
+        on_cpu = sum(p.numel() * p.element_size() for p in model.parameters()
+                     if p.device.type == "cpu" and p.dtype == torch.float32)
+        if not on_cpu:
+            return
+        if on_cpu > memory.free_memory(torch.device("cpu")) // 2:
+            logger.info("CPU linears stay unpacked: too little free RAM for a packed copy")
+            return
+        logger.info("packed %d CPU linear weights for MKL", prepack_model(model))
 
     def _place(self, model: nn.Module, args: EngineArgs, device_map: DeviceMap | str) -> DeviceMap:
         """Decide the map ("auto": by free memory), check the weights fit, materialise."""
