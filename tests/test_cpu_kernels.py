@@ -90,8 +90,10 @@ def test_decode_attention_sliding_window_and_alibi(variant):
         torch.testing.assert_close(out[i:i + 1].double(), expected, atol=1e-5, rtol=1e-5)
 
 
-def test_decode_attention_rejects_a_prompt_step():
-    cache, meta, query, *_ = random_step([9, 4], [9, 1])
+@pytest.mark.parametrize("query_lens", [[9, 1], [1, 0, 1]])  # a prompt; a sequence without a query
+def test_decode_attention_rejects_steps_that_are_not_one_query_per_sequence(query_lens):
+    cache, meta, query, *_ = random_step([9, 4, 6][:len(query_lens)], query_lens)
+    assert not cpu_kernels.is_decode_step(query, meta)
     with pytest.raises(ValueError, match="takes decode-only steps"):
         cpu_kernels.paged_attention_decode(query, cache, meta, 0.25)
 

@@ -73,7 +73,7 @@ class PagedAttention(nn.Module):
                          num_splits=meta.num_splits)
         elif cpu_kernels.applies(q, k, v, kv_cache) and cpu_kernels.rows_contiguous(k, v):
             cpu_kernels.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-            if meta.is_decode_only:
+            if cpu_kernels.is_decode_step(q, meta):
                 out = cpu_kernels.paged_attention_decode(q, kv_cache, meta, self.scale,
                                                          self.sliding_window, alibi)
             else:

@@ -67,6 +67,11 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
     )
 
 
+def is_decode_step(query: torch.Tensor, meta: PagedAttentionInputMetadata) -> bool:
+    """Every sequence of the step has exactly one query token."""
+    return meta.is_decode_only and query.shape[0] == meta.num_seqs
+
+
 def paged_attention_decode(
     query: torch.Tensor,  # [num_seqs, num_heads, head_dim], one token per sequence
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -76,7 +81,7 @@ def paged_attention_decode(
     alibi: torch.Tensor | None = None,  # [num_heads] slopes
 ) -> torch.Tensor:
     """What reference.paged_attention computes for a decode-only step."""
-    if not meta.is_decode_only:
+    if not is_decode_step(query, meta):
         raise ValueError("paged_attention_decode takes decode-only steps (one query per sequence)")
     query, kv_cache = query.contiguous(), kv_cache.contiguous()
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape

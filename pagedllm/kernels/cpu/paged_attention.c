@@ -24,7 +24,8 @@ static inline float dot(const float *a, const float *b, int64_t n) {
         __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
         for (int64_t i = 0; i < n; i += 32) {
             acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
-            acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), acc1);
+            acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16),
+                                   acc1);
         }
         return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
     }
@@ -40,7 +41,8 @@ static inline void axpy(float *y, float a, const float *x, int64_t n) {
     if (n % 16 == 0) {
         const __m512 va = _mm512_set1_ps(a);
         for (int64_t i = 0; i < n; i += 16)
-            _mm512_storeu_ps(y + i, _mm512_fmadd_ps(va, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+            _mm512_storeu_ps(y + i,
+                             _mm512_fmadd_ps(va, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
         return;
     }
 #endif
@@ -60,7 +62,8 @@ static void attend_one(float *out, const float *q, const float *key_cache,
     for (int64_t t = start; t < len;) {
         const int64_t offset = t % block_size;
         const int64_t end = t - offset + block_size < len ? t - offset + block_size : len;
-        const float *k = key_cache + ((int64_t)table[t / block_size] * block_size + offset) * token_stride;
+        const float *k =
+            key_cache + ((int64_t)table[t / block_size] * block_size + offset) * token_stride;
         for (; t < end; t++, k += token_stride) {
             float *s = scores + (t - start);
             for (int64_t g = 0, h = 0; g < num_kv_heads; g++)
@@ -99,7 +102,8 @@ static void attend_one(float *out, const float *q, const float *key_cache,
     for (int64_t t = start; t < len;) {
         const int64_t offset = t % block_size;
         const int64_t end = t - offset + block_size < len ? t - offset + block_size : len;
-        const float *v = value_cache + ((int64_t)table[t / block_size] * block_size + offset) * token_stride;
+        const float *v =
+            value_cache + ((int64_t)table[t / block_size] * block_size + offset) * token_stride;
         for (; t < end; t++, v += token_stride) {
             const float *p = scores + (t - start);
             for (int64_t g = 0, h = 0; g < num_kv_heads; g++)
