@@ -1,10 +1,13 @@
-"""Test helpers: drive a model through the paged cache by hand (no scheduler)."""
+"""Test helpers: drive a model through the paged cache by hand (no scheduler), and build a
+random paged attention step with its float64 answer (the CPU attention tests)."""
 from __future__ import annotations
 
+import math
 import random
 
 import torch
 
+from pagedllm.kernels.reference import write_kv_cache
 from pagedllm.layers.metadata import PagedAttentionInputMetadata
 
 
@@ -71,3 +74,56 @@ def assert_matches_transformers(hf, ours, config, prompts, decode_steps: int = 1
             nexts[i] = int(ref.logits[0, -1].argmax())
     # The sequences really spanned many scattered blocks.
     assert all(len(t) >= 7 for t in runner.tables.values())
+
+
+NAN = float("nan")
+
+
+def naive_attention(q, keys, values, context, scale, window=None, slopes=None):
+    """q [q_len, heads, d] are the last q_len of `context` positions; keys/values [context,
+    kv_heads, d]. float64, one head at a time."""
+    q_len, heads, _ = q.shape
+    group = heads // keys.shape[1]
+    out = torch.empty(q_len, heads, q.shape[-1], dtype=torch.float64)
+    for j in range(q_len):
+        pos = context - q_len + j
+        lo = 0 if window is None else max(0, pos - window + 1)
+        for h in range(heads):
+            k = keys[lo: pos + 1, h // group].double()
+            scores = k @ q[j, h].double() * scale
+            if slopes is not None:
+                scores += slopes[h].double() * (torch.arange(lo, pos + 1) - pos)
+            out[j, h] = torch.softmax(scores, 0) @ values[lo: pos + 1, h // group].double()
+    return out
+
+
+def random_step(seq_lens, query_lens, *, heads=6, kv_heads=2, d=16, block_size=4, seed=0,
+                dtype=torch.float32):
+    """A cache whose blocks are shuffled, the step's query/key/value, and the metadata.
+    Blocks no sequence owns are NaN (reading one shows up as NaN); the unwritten tail of a
+    partial block holds large values (attending to one shows up as a wrong result: a masked
+    NaN would still poison SDPA's weighted sum, and a real cache never holds NaN)."""
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = sum(math.ceil(s / block_size) for s in seq_lens) + 5
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(math.ceil(s / block_size))] for s in seq_lens]
+    cache = torch.full((2, num_blocks, block_size, kv_heads, d), NAN, dtype=dtype)
+    cache[:, [b for t in tables for b in t]] = 1e4
+    keys = [torch.randn(s, kv_heads, d, generator=g).to(dtype) for s in seq_lens]
+    values = [torch.randn(s, kv_heads, d, generator=g).to(dtype) for s in seq_lens]
+
+    def slots(i, start, end):
+        return [tables[i][p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+    # The cached context (everything before this step's tokens) is already in the cache.
+    for i, (s, q) in enumerate(zip(seq_lens, query_lens)):
+        write_kv_cache(keys[i][: s - q], values[i][: s - q], cache, torch.tensor(slots(i, 0, s - q), dtype=torch.long))
+    step_slots = [p for i, (s, q) in enumerate(zip(seq_lens, query_lens)) for p in slots(i, s - q, s)]
+    positions = [p for s, q in zip(seq_lens, query_lens) for p in range(s - q, s)]
+    meta = PagedAttentionInputMetadata.build(positions, step_slots, query_lens, seq_lens, tables)
+    query = torch.randn(sum(query_lens), heads, d, generator=g).to(dtype)
+    key = torch.cat([k[s - q:] for k, s, q in zip(keys, seq_lens, query_lens)])
+    value = torch.cat([v[s - q:] for v, s, q in zip(values, seq_lens, query_lens)])
+    return cache, meta, query, key, value, keys, values

@@ -18,8 +18,7 @@ from pagedllm.layers.norms import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.loader import initialize_dummy_weights
 from pagedllm.models.registry import build_model
-from tests.paged_helpers import PagedRunner
-from tests.test_reference_attention import naive_attention, random_step
+from tests.paged_helpers import PagedRunner, naive_attention, random_step
 
 pytestmark = pytest.mark.skipif(build.load_library() is None,
                                 reason="no C compiler: the CPU runs the pure-torch kernels")

@@ -254,7 +254,7 @@ class BlockSpaceManager:
         are the sequence's own (ref count 1); they are freed with it."""
         table = self._gpu_table(seq)
         numbers = self.block_number_tables[seq.seq_id]
-        while len(table) < _cdiv(seq.get_len() + num_tokens, self.block_size):
+        for _ in range(self.num_lookahead_blocks(seq, num_tokens)):
             block = self.gpu_allocator.allocate()
             table.append(block)
             numbers.append(block.block_number)

@@ -71,16 +71,13 @@ class PagedAttention(nn.Module):
             write(k, v, kv_cache, meta.slot_mapping)
             out = attend(q, kv_cache, meta, self.scale, self.sliding_window, alibi,
                          num_splits=meta.num_splits)
-        elif cpu_kernels.applies(q, k, v, kv_cache) and cpu_kernels.rows_contiguous(k, v):
-            cpu_kernels.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-            if cpu_kernels.is_decode_step(q, meta):
+        else:
+            in_c = cpu_kernels.applies(q, k, v, kv_cache) and cpu_kernels.rows_contiguous(k, v)
+            (cpu_kernels if in_c else reference).write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+            if in_c and cpu_kernels.is_decode_step(q, meta):
                 out = cpu_kernels.paged_attention_decode(q, kv_cache, meta, self.scale,
                                                          self.sliding_window, alibi)
             else:
                 out = reference.paged_attention(q, kv_cache, meta, self.scale,
                                                 self.sliding_window, alibi, key=k, value=v)
-        else:
-            reference.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-            out = reference.paged_attention(q, kv_cache, meta, self.scale, self.sliding_window,
-                                            alibi, key=k, value=v)
         return out.reshape(-1, self.num_heads * self.head_dim)

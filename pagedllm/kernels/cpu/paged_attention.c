@@ -50,6 +50,17 @@ static inline void axpy(float *y, float a, const float *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
 }
 
+/* The cache row of token t of a sequence, and (in *end) where its run of consecutive rows
+ * stops: at the end of t's block, or of the sequence. Callers walk a block's tokens by
+ * pointer instead of dividing by block_size for each token. */
+static inline const float *block_run(const float *cache, const int32_t *table, int64_t t,
+                                     int64_t len, int64_t block_size, int64_t token_stride,
+                                     int64_t *end) {
+    const int64_t offset = t % block_size;
+    *end = t - offset + block_size < len ? t - offset + block_size : len;
+    return cache + ((int64_t)table[t / block_size] * block_size + offset) * token_stride;
+}
+
 /* One sequence: scores [num_heads, len] of scratch, then out[h] = softmax(scores[h]) . V. */
 static void attend_one(float *out, const float *q, const float *key_cache,
                        const float *value_cache, const int32_t *table, int64_t len,
@@ -59,11 +70,8 @@ static void attend_one(float *out, const float *q, const float *key_cache,
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim;
     const int64_t span = len - start;
-    for (int64_t t = start; t < len;) {
-        const int64_t offset = t % block_size;
-        const int64_t end = t - offset + block_size < len ? t - offset + block_size : len;
-        const float *k =
-            key_cache + ((int64_t)table[t / block_size] * block_size + offset) * token_stride;
+    for (int64_t t = start, end; t < len;) {
+        const float *k = block_run(key_cache, table, t, len, block_size, token_stride, &end);
         for (; t < end; t++, k += token_stride) {
             float *s = scores + (t - start);
             for (int64_t g = 0, h = 0; g < num_kv_heads; g++)
@@ -99,11 +107,8 @@ static void attend_one(float *out, const float *q, const float *key_cache,
         for (int64_t i = 0; i < span; i++) p[i] *= inv;
     }
     memset(out, 0, sizeof(float) * num_heads * head_dim);
-    for (int64_t t = start; t < len;) {
-        const int64_t offset = t % block_size;
-        const int64_t end = t - offset + block_size < len ? t - offset + block_size : len;
-        const float *v =
-            value_cache + ((int64_t)table[t / block_size] * block_size + offset) * token_stride;
+    for (int64_t t = start, end; t < len;) {
+        const float *v = block_run(value_cache, table, t, len, block_size, token_stride, &end);
         for (; t < end; t++, v += token_stride) {
             const float *p = scores + (t - start);
             for (int64_t g = 0, h = 0; g < num_kv_heads; g++)
