@@ -623,12 +623,14 @@ def test_tool_call_history_is_accepted_and_rendered_as_documented(server, client
 
 
 def test_unknown_fields_are_logged_once_per_name(server, client, model):
-    for extra in ({"frobnicate": 1}, {"frobnicate": 2, "zorkmid": "x"}):
+    for extra in ({"frobnicate": 1}, {"frobnicate": 2, "zorkmid": "x", "quux": None}):
         client.completions.create(model=model, prompt="Hi", max_tokens=1, extra_body=extra)
     log = server.read_stderr()
-    assert log.count("CompletionRequest: ignoring the unknown field 'frobnicate' "
+    assert log.count("CompletionRequest: ignoring the unknown field(s) 'frobnicate' "
                      "(logged once per field)") == 1
-    assert log.count("CompletionRequest: ignoring the unknown field 'zorkmid'") == 1
+    assert log.count("CompletionRequest: ignoring the unknown field(s) 'quux', 'zorkmid' "
+                     "(logged once per field)") == 1
+    assert log.count("frobnicate") == 1
 
 
 def test_openapi_schema_documents_what_the_server_answers(server):

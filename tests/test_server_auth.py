@@ -100,3 +100,4 @@ def test_metrics_need_key_and_non_ascii_keys():
         await aengine.shutdown()
 
     asyncio.run(main())
+

@@ -38,7 +38,9 @@ class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+# Unknown field names already logged; bounded, since clients choose the names.
 _warned_fields: set[tuple[str, str]] = set()
+MAX_WARNED_FIELDS = 1000
 
 
 class RequestModel(OpenAIBaseModel):
@@ -50,12 +52,15 @@ class RequestModel(OpenAIBaseModel):
     @classmethod
     def _warn_unknown_fields(cls, data: Any, handler: ModelWrapValidatorHandler) -> Any:
         result = handler(data)
-        if isinstance(data, dict):
-            for name in data.keys() - cls.model_fields.keys():
-                if (cls.__name__, name) not in _warned_fields:
-                    _warned_fields.add((cls.__name__, name))
-                    logger.warning("%s: ignoring the unknown field %r (logged once per field)",
-                                   cls.__name__, name)
+        if isinstance(data, dict) and len(_warned_fields) < MAX_WARNED_FIELDS:
+            new = sorted(name for name in data.keys() - cls.model_fields.keys()
+                         if (cls.__name__, name) not in _warned_fields)
+            if new:
+                room = MAX_WARNED_FIELDS - len(_warned_fields)
+                _warned_fields.update((cls.__name__, name) for name in new[:room])
+                shown = ", ".join(map(repr, new[:10])) + (" ..." if len(new) > 10 else "")
+                logger.warning("%s: ignoring the unknown field(s) %s (logged once per field)",
+                               cls.__name__, shown)
         return result
 
 

@@ -56,7 +56,9 @@ class PromptTokenizer:
     A text is refused before it is tokenized when it has more characters than the context
     can hold: no token of the vocabulary is longer than `longest_token` characters, so a
     text over max_model_len * longest_token characters has more tokens than the context.
-    One thread: huge prompts are tokenized one at a time, which bounds their memory.
+    One thread: huge prompts are tokenized one at a time, which bounds their memory. The
+    engine's detokenizer reads the same tokenizer meanwhile: encode and decode of a fast
+    (Rust) tokenizer only read it, and release the GIL while they work.
     """
 
     def __init__(self, tokenizer: Any, max_model_len: int) -> None:
