@@ -20,7 +20,7 @@ KEY = "sk-test-0123456789"
 def server():
     yield from serve(["--api-key", KEY, "--model", "smollm2-135m", "--load-format", "dummy",
                       "--num-gpu-blocks-override", "32", "--swap-space", "0.01",
-                      "--max-tokens-default", "5"])
+                      "--max-model-len", "64", "--max-tokens-default", "5"])
 
 
 KEYED_REQUESTS = [
@@ -57,6 +57,12 @@ def test_key_grants_access(server):
     resp = client.completions.create(model=card.id, prompt=[1, 2, 3],
                                      extra_body={"ignore_eos": True})
     assert resp.usage.completion_tokens == 5 and resp.choices[0].finish_reason == "length"
+    # The server's default is capped to the room the context leaves (a client's is not).
+    resp = client.completions.create(model=card.id, prompt=list(range(1, 63)),
+                                     extra_body={"ignore_eos": True})
+    assert resp.usage.completion_tokens == 2
+    with pytest.raises(openai.BadRequestError, match="more than the model's context of 64"):
+        client.completions.create(model=card.id, prompt=list(range(1, 63)), max_tokens=5)
     headers = {"Authorization": f"Bearer {KEY}"}
     tokens = httpx.post(server.url + "/detokenize", json={"tokens": [1]}, headers=headers)
     assert tokens.status_code == 400  # past the key: this model has no tokenizer

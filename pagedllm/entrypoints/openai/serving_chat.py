@@ -132,7 +132,8 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = request.max_completion_tokens
         if max_tokens is None:
             max_tokens = request.max_tokens
-        if max_tokens is None:  # None: the rest of the context, as vLLM
+        server_default = max_tokens is None
+        if server_default:  # None: the rest of the context, as vLLM
             max_tokens = self.max_tokens_default
         params = self.sampling_params(
             request,
@@ -141,7 +142,8 @@ class OpenAIServingChat(OpenAIServing):
         )
         prompt = await self.render_prompt(request.messages, request.add_generation_prompt)
         request_id = random_id("chatcmpl")
-        streams = await self.add_requests([prompt], params, request_id)
+        streams = await self.add_requests([prompt], params, request_id,
+                                          server_default=server_default)
         if request.stream:
             return SSEResponse(self._stream(request, request_id, streams), streams)
         (out,) = await final_outputs(streams)

@@ -67,7 +67,9 @@ class OpenAIServingCompletion(OpenAIServing):
         token_ids = [await self.tokenizer.encode(p) if isinstance(p, str) else p
                      for p in prompts]
         request_id = random_id("cmpl")
-        streams = await self.add_requests(token_ids, params, request_id)
+        streams = await self.add_requests(
+            token_ids, params, request_id,
+            server_default=request.max_tokens is None and self.max_tokens_default is not None)
         if request.stream:
             return SSEResponse(self._stream(request, request_id, streams, texts), streams)
         outputs = await final_outputs(streams)

@@ -168,13 +168,24 @@ class OpenAIServing:
         return tokenizer.decode([token_id]) if tokenizer is not None else f"<{token_id}>"
 
     async def add_requests(
-        self, prompts: Sequence[list[int]], params: SamplingParams, request_id: str
+        self, prompts: Sequence[list[int]], params: SamplingParams, request_id: str,
+        server_default: bool = False,
     ) -> list[RequestStream]:
-        """Queue every prompt; on a rejected one, abort those already queued and raise 400."""
+        """Queue every prompt; on a rejected one, abort those already queued and raise 400.
+
+        server_default: params.max_tokens is --max-tokens-default, not the client's: it is
+        capped to the room the context leaves each prompt instead of failing the request.
+        """
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
-                streams.append(await self.engine.add_request(prompt, params, f"{request_id}-{i}"))
+                prompt_params = params
+                room = self.engine.max_model_len - len(prompt)
+                if server_default and params.max_tokens is not None and room < params.max_tokens:
+                    prompt_params = params.clone()
+                    prompt_params.max_tokens = max(1, room)
+                streams.append(await self.engine.add_request(prompt, prompt_params,
+                                                             f"{request_id}-{i}"))
         except ValueError as exc:
             for stream in streams:
                 stream.abort()
