@@ -10,7 +10,7 @@ import torch
 
 from pagedllm.config import ModelConfig
 from pagedllm.layers import attention
-from pagedllm.layers.metadata import PagedAttentionInputMetadata
+from pagedllm.kernels.metadata import PagedAttentionInputMetadata
 from pagedllm.layers.norms import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.loader import initialize_dummy_weights

@@ -14,7 +14,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import ModelConfig
-from pagedllm.layers.metadata import PagedAttentionInputMetadata
+from pagedllm.kernels.metadata import PagedAttentionInputMetadata
 from pagedllm.models.registry import build_model
 from pagedllm.worker import memory
 from pagedllm.worker.cache_engine import CacheEngine, bytes_per_block

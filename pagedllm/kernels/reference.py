@@ -1,6 +1,6 @@
 """Pure-torch paged-attention ops: the CPU path, and the oracle for every Triton kernel.
 
-See pagedllm/layers/metadata.py for the cache layout and the meaning of the metadata.
+See pagedllm/kernels/metadata.py for the cache layout and the meaning of the metadata.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedllm.layers.metadata import PagedAttentionInputMetadata
+from pagedllm.kernels.metadata import PagedAttentionInputMetadata
 
 
 def write_kv_cache(

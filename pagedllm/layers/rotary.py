@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from pagedllm.kernels import cpu as cpu_kernels
-from pagedllm.layers.metadata import PagedAttentionInputMetadata
+from pagedllm.kernels.metadata import PagedAttentionInputMetadata
 
 
 def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:

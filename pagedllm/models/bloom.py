@@ -15,7 +15,7 @@ from pagedllm.config import ModelConfig
 from pagedllm.kernels.reference import alibi_slopes
 from pagedllm.layers.attention import PagedAttention
 from pagedllm.layers.linear import Linear, compute_logits
-from pagedllm.layers.metadata import PagedAttentionInputMetadata
+from pagedllm.kernels.metadata import PagedAttentionInputMetadata
 from pagedllm.worker.device_map import DeviceMap
 
 MetadataByGroup = (

@@ -2,7 +2,7 @@
 Qwen3 (per-head q/k RMSNorm). One module; the config switches the differences on.
 
 The forward takes a flat batch of tokens from many sequences and reads/writes the paged KV
-cache of each layer (see pagedllm/layers/metadata.py).
+cache of each layer (see pagedllm/kernels/metadata.py).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pagedllm.config import ModelConfig
 from pagedllm.layers.activation import silu_and_mul
 from pagedllm.layers.attention import PagedAttention
 from pagedllm.layers.linear import Linear, compute_logits
-from pagedllm.layers.metadata import PagedAttentionInputMetadata
+from pagedllm.kernels.metadata import PagedAttentionInputMetadata
 from pagedllm.layers.norms import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.worker.device_map import DeviceMap

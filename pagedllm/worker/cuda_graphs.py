@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pagedllm.layers.metadata import PagedAttentionInputMetadata, pad_block_tables
+from pagedllm.kernels.metadata import PagedAttentionInputMetadata, pad_block_tables
 from pagedllm.worker.device_map import DeviceMap, on_device
 
 logger = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from pagedllm.layers.metadata import PagedAttentionInputMetadata
+from pagedllm.kernels.metadata import PagedAttentionInputMetadata
 from pagedllm.worker.memory import module_bytes
 
 T = TypeVar("T")

@@ -10,7 +10,7 @@ from torch import nn
 
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.scheduler import SchedulerOutput
-from pagedllm.layers.metadata import PagedAttentionInputMetadata, slots_for
+from pagedllm.kernels.metadata import PagedAttentionInputMetadata, slots_for
 from pagedllm.loader import initialize_dummy_weights, load_model_source
 from pagedllm.models.registry import build_model
 from pagedllm.layers.linear import prepack_model

@@ -13,7 +13,7 @@ import functools
 import torch
 
 from pagedllm.kernels.cpu.build import load_library
-from pagedllm.layers.metadata import PagedAttentionInputMetadata
+from pagedllm.kernels.metadata import PagedAttentionInputMetadata
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
