@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
-from pagedllm.engine.sequence import RequestMetrics
+from pagedllm.outputs import RequestMetrics
 from pagedllm.entrypoints.openai.api_server import build_app
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
