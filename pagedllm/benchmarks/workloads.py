@@ -31,6 +31,7 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.benchmarks import peers
 from pagedllm.benchmarks.scheduler_bench import run_scheduler_bench
+from pagedllm.config import DTYPES, LOAD_FORMATS, resolve_dtype
 
 EXIT_USAGE = 2
 
@@ -136,8 +137,8 @@ def build_parser(workload: Workload) -> argparse.ArgumentParser:
     peer.add_argument("--no-peer", dest="peer", action="store_false")
     p.add_argument("--model", default=w.model, help=f"default: {w.model or 'SmolLM2-135M GGUF'}")
     p.add_argument("--load-format", default=w.load_format,
-                   choices=["auto", "gguf", "safetensors", "dummy"])
-    p.add_argument("--dtype", default=w.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+                   choices=LOAD_FORMATS)
+    p.add_argument("--dtype", default=w.dtype, choices=DTYPES)
     p.add_argument("--device", default="cuda" if w.needs_cuda else "cpu")
     p.add_argument("--device-map", default=None)
     p.add_argument("--enforce-eager", action="store_true")
@@ -328,12 +329,6 @@ def _ratio(a: RunResult | dict, b: RunResult | dict) -> float | None:
     return a.output_tokens_per_s / b.output_tokens_per_s
 
 
-def _dtype(name: str, device: str) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    return getattr(torch, name)
-
-
 THROUGHPUT_COLUMNS = [
     ("name", "run", "{}"), ("num_requests", "requests", "{:d}"),
     ("input_tokens", "input tok", "{:d}"), ("output_tokens", "output tok", "{:d}"),
@@ -349,7 +344,7 @@ def _continuous_batching_peer(args: argparse.Namespace, prompts: list[list[int]]
     """transformers' continuous batching on the same prompts, loaded only when it runs."""
     def peer() -> peers.PeerRun:
         model = peers.load_peer_model(args.model, args.load_format,
-                                      _dtype(args.dtype, args.device), args.device,
+                                      resolve_dtype(args.dtype, args.device), args.device,
                                       attn_implementation="paged|sdpa")
         try:
             return peers.hf_generate_batch(model, prompts, max_new_tokens)
@@ -377,7 +372,7 @@ def bench_cpu(args: argparse.Namespace) -> Report:
     def peer(prompts: list[list[int]]) -> peers.PeerRun:
         if not peer_model:
             peer_model.append(peers.load_peer_model(
-                args.model, args.load_format, _dtype(args.dtype, args.device), args.device))
+                args.model, args.load_format, resolve_dtype(args.dtype, args.device), args.device))
         return peers.hf_generate(peer_model[0], prompts, max_tokens)
 
     runs: list[RunResult | dict] = []

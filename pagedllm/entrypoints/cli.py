@@ -25,7 +25,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.engine_args import EngineArgs
 
     parser = Parser(prog="pagedllm", description="pagedllm: a PagedAttention LLM engine.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def load_engine(args: argparse.Namespace):
     """Build the LLMEngine, showing progress on stderr; bad options or models -> UsageError."""
-    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.engine_args import EngineArgs
     from pagedllm.engine.llm_engine import LLMEngine
 
     try:
@@ -151,7 +151,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     _show_progress_logs()
-    engine = AsyncLLMEngine(load_engine(args))
+    engine = AsyncLLMEngine(load_engine(args), log_stats=not args.disable_log_stats)
 
     def announce(url: str) -> None:
         print(ready_message(url, engine.model_name, args.api_key), flush=True)

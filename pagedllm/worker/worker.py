@@ -8,7 +8,8 @@ import math
 import torch
 from torch import nn
 
-from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.config import resolve_dtype
+from pagedllm.engine_args import EngineArgs
 from pagedllm.engine.scheduler import SchedulerOutput
 from pagedllm.kernels.metadata import PagedAttentionInputMetadata, slots_for
 from pagedllm.loader import initialize_dummy_weights, load_model_source
@@ -24,9 +25,6 @@ from pagedllm.worker.model_runner import ModelRunner, StepResult
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -34,12 +32,6 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {name!r} was asked for but CUDA is not available")
     return device
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[name]
 
 
 class Worker:
