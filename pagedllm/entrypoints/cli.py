@@ -10,18 +10,8 @@ import logging
 import shlex
 import sys
 import time
-from typing import NoReturn
 
-EXIT_USAGE = 2
-
-
-class UsageError(Exception):
-    """A problem the user can fix from the command line: one `error:` line, exit 2."""
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(f"{message} (see `{self.prog} --help`)")
+from pagedllm.entrypoints.usage import EXIT_USAGE, Parser, UsageError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -286,8 +276,4 @@ def run_bench(workload: str, argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    # Run the imported module, not __main__, so its classes (UsageError) are the ones the
-    # subcommand modules import.
-    from pagedllm.entrypoints.cli import main as cli_main
-
-    sys.exit(cli_main())
+    sys.exit(main())
