@@ -15,7 +15,7 @@ from pagedllm.layers.norms import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.loader import initialize_dummy_weights
 from pagedllm.models.registry import build_model
-from pagedllm.worker.device_map import DeviceMap
+from pagedllm.models.device_map import DeviceMap
 from pagedllm.worker.cuda_graphs import (
     MAX_GRAPH_BATCH_SIZE,
     PAD_SEQ_LEN,

@@ -18,7 +18,7 @@ from pagedllm.engine.sequence import SequenceGroup, SequenceStatus
 from pagedllm.kernels.metadata import PagedAttentionInputMetadata, host_to_device, slots_for
 from pagedllm.layers.sampler import Sampler, SampleResult, SamplingRow, compute_prompt_logprobs
 from pagedllm.worker.cuda_graphs import DecodeCUDAGraphs
-from pagedllm.worker.device_map import DeviceMap
+from pagedllm.models.device_map import DeviceMap
 
 
 @dataclass

@@ -13,13 +13,14 @@ from pagedllm.engine_args import EngineArgs
 from pagedllm.engine.scheduler import SchedulerOutput
 from pagedllm.kernels.metadata import PagedAttentionInputMetadata, slots_for
 from pagedllm.loader import initialize_dummy_weights, load_model_source
+from pagedllm.models.device_map import DeviceMap
 from pagedllm.models.registry import build_model
 from pagedllm.layers.linear import prepack_model
 from pagedllm.worker import memory
 from pagedllm.worker.cache_engine import CacheEngine, bytes_per_block
 from pagedllm.worker.cuda_graphs import graphs_supported
-from pagedllm.worker.device_map import (
-    DeviceMap, PlacementInputs, WeightSizes, check_weights_fit, describe, place_model, plan_auto,
+from pagedllm.worker.placement import (
+    PlacementInputs, WeightSizes, check_weights_fit, describe, place_model, plan_auto,
 )
 from pagedllm.worker.model_runner import ModelRunner, StepResult
 
