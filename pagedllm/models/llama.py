@@ -11,7 +11,7 @@ from torch import nn
 
 from pagedllm.config import ModelConfig
 from pagedllm.kernels.metadata import PagedAttentionInputMetadata
-from pagedllm.layers.activation import silu_and_mul
+from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import PagedAttention
 from pagedllm.layers.linear import Linear
 from pagedllm.layers.norms import RMSNorm
@@ -20,7 +20,7 @@ from pagedllm.models.base import CausalLM
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -36,7 +36,9 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.rotary = [rotary]  # a list: shared by all layers, not a registered submodule
+        # One per layer (its device's backend), over cos/sin tables all layers share.
+        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                                      config.rope_theta, config.rope_scaling)
         self.attn = PagedAttention(
             self.num_heads,
             self.head_dim,
@@ -54,7 +56,7 @@ class LlamaAttention(nn.Module):
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary[0](meta.positions, q, k, meta)
+        q, k = self.rotary(meta.positions, q, k, meta)
         out = self.attn(q, k, v.contiguous(), kv_cache, meta)
         return self.o_proj(out)
 
@@ -64,16 +66,17 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, rotary)
+        self.self_attn = LlamaAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
@@ -109,11 +112,8 @@ class LlamaForCausalLM(CausalLM):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        rotary = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
-        )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.tie_word_embeddings:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pagedllm.layers import dispatch
 from pagedllm.models.device_map import DeviceMap
 from pagedllm.worker.memory import module_bytes
 
@@ -50,7 +51,8 @@ def _head_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def place_model(model: nn.Module, device_map: DeviceMap) -> None:
-    """Materialise a meta-device model on the map's devices (weights still to be loaded)."""
+    """Materialise a meta-device model on the map's devices (weights still to be loaded) and
+    pick each layer's kernels for its device (layers/dispatch.py)."""
     for g in device_map.groups:
         for i in g.layers:
             model.layers[i].to_empty(device=g.device)
@@ -58,6 +60,7 @@ def place_model(model: nn.Module, device_map: DeviceMap) -> None:
     for m in _head_modules(model):
         m.to_empty(device=device_map.output_device)
     model.device_map = device_map
+    dispatch.select(model)  # each layer's kernels, for the device it now lives on
 
 
 def check_weights_fit(weights: dict[torch.device, int], free: dict[torch.device, int]) -> None:

@@ -37,6 +37,11 @@ def _kernel(name: str):
     return fn
 
 
+def available() -> bool:
+    """The library is built (or was already): the C kernels can run."""
+    return load_library() is not None
+
+
 def applies(*tensors: torch.Tensor) -> bool:
     """The C kernels take these tensors: all fp32 on the CPU, and the library is built."""
     return (all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
