@@ -26,6 +26,7 @@ from pagedllm.worker.model_runner import ModelRunner, StepResult
 
 logger = logging.getLogger(__name__)
 
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
