@@ -35,6 +35,12 @@ class EngineArgs:
     device: str = option("auto", "auto | cpu | cuda | cuda:N")
     device_map: str | None = option(
         None, 'layers per device, e.g. "cuda:0:20,cpu:10", or "auto" (by free memory)')
+    tensor_parallel_size: int = option(
+        1, "ranks to split the model over (Megatron-style): one GPU each on CUDA, one process "
+        "each on the CPU; under torchrun, the world size")
+    distributed_timeout: float = option(
+        120.0, "seconds a collective between tensor-parallel ranks may wait before the step "
+        "fails naming the rank")
     seed: int = option(0, "seed of the random weights of --load-format dummy")
     block_size: int = option(16, "tokens per KV-cache block")
     enable_prefix_caching: bool = option(True, "reuse the KV of prompt prefixes already computed")
@@ -79,6 +85,16 @@ class EngineArgs:
             raise ValueError(
                 f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}"
             )
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        if tp > 1 and (self.device_map or "").strip():
+            raise ValueError("device_map and tensor_parallel_size > 1 cannot be combined (yet): "
+                             "give one or the other")
+        if not self.distributed_timeout > 0:
+            raise ValueError(
+                f"distributed_timeout must be a positive number of seconds, got "
+                f"{self.distributed_timeout!r}")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -2,7 +2,7 @@
 imports itself back through others (docs/architecture.md draws the layers).
 
     ground floor (config, outputs, sampling_params, engine_args)
-      < kernels < layers < models < loader < worker < engine < entrypoints < benchmarks
+      < distributed < kernels < layers < models < loader < worker < engine < entrypoints < benchmarks
 
 Every `import` counts, wherever it is written: at the top of a module, inside a function
 (lazy), or under `if TYPE_CHECKING:`. A package may import its own modules freely (but
@@ -18,7 +18,7 @@ import pagedllm
 ROOT = Path(pagedllm.__file__).parent
 GROUND_FLOOR = {"pagedllm.config", "pagedllm.outputs", "pagedllm.sampling_params",
                 "pagedllm.engine_args"}
-PACKAGES = ["kernels", "layers", "models", "loader", "worker", "engine", "entrypoints",
+PACKAGES = ["distributed", "kernels", "layers", "models", "loader", "worker", "engine", "entrypoints",
             "benchmarks"]
 
 # (importer, imported) module-name prefixes that may import upward, and why. Keep it short.

@@ -20,7 +20,7 @@ from pagedllm.engine.sequence import Logprob, Sequence, SequenceGroup, SequenceS
 from pagedllm.layers.sampler import SampleResult
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.worker import Worker
+from pagedllm.worker.tp_worker import create_worker
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
-        self.worker = Worker(args)
+        self.worker = create_worker(args)
         self.model_config = self.worker.model_config
         self.tokenizer = self.worker.tokenizer
         self.model_name = args.served_model_name or self.worker.source_name
@@ -379,6 +379,10 @@ class LLMEngine:
         )
 
     # -------------------------------------------------------------------- misc
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks, if any (also done at exit)."""
+        self.worker.shutdown()
+
     def get_stats(self) -> EngineStats:
         s = self.scheduler
         bm = s.block_manager

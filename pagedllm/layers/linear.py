@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.distributed import parallel_state as ps
+from pagedllm.distributed.communication import all_gather
 from pagedllm.layers import dispatch
 
 logger = logging.getLogger(__name__)
@@ -85,9 +87,14 @@ def prepack_model(model: nn.Module) -> int:
 
 
 def compute_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """fp32 logits from the model's LM head, or from its input embedding when tied."""
+    """fp32 logits from the model's LM head, or from its input embedding when tied. Under
+    tensor parallelism each rank holds a slice of the vocabulary: the slices are gathered,
+    so every rank gets the whole row (and samples the same tokens)."""
     if model.lm_head is not None:
         weight, packed = model.lm_head.weight, model.lm_head.packed
     else:
         weight, packed = model.embed_tokens.weight, getattr(model, "packed_tied_head", None)
-    return linear(hidden.to(weight.device), weight, packed=packed).float()
+    logits = linear(hidden.to(weight.device), weight, packed=packed)
+    if ps.is_initialized():
+        logits = all_gather(logits, dim=-1)[..., :model.config.vocab_size]
+    return logits.float()

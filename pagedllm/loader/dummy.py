@@ -30,7 +30,9 @@ def initialize_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
     """Fill every parameter in place, on the device it already lives on.
 
     Norm scales are 1 and biases 0; other weights are uniform in [-1/sqrt(fan_in), 1/sqrt(fan_in)],
-    which keeps activations near unit scale through many layers, also in bf16.
+    which keeps activations near unit scale through many layers, also in bf16. A sharded
+    layer (tensor parallelism) draws its full tensor and keeps its rank's slice, so the
+    weights are the same at every tensor_parallel_size.
     """
     generators: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
@@ -43,5 +45,13 @@ def initialize_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
         else:
             if param.device not in generators:
                 generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
-            bound = 1.0 / math.sqrt(param.shape[-1]) if param.dim() > 1 else 1e-2
-            param.uniform_(-bound, bound, generator=generators[param.device])
+            module_name, _, leaf = name.rpartition(".")
+            module = model.get_submodule(module_name)
+            shape = module.full_shape(leaf) if hasattr(module, "full_shape") else param.shape
+            bound = 1.0 / math.sqrt(shape[-1]) if len(shape) > 1 else 1e-2
+            if getattr(module, "tp", 1) == 1:
+                param.uniform_(-bound, bound, generator=generators[param.device])
+                continue
+            full = torch.empty(shape, dtype=param.dtype, device=param.device)
+            full.uniform_(-bound, bound, generator=generators[param.device])
+            param.copy_(module.shard_weight(leaf, full, None))

@@ -81,8 +81,24 @@ class CausalLM(nn.Module):
         return None
 
     def shard_range(self, param_name: str, shard: int) -> tuple[int, int]:
-        """(start, length) of a shard along the parameter's first dimension."""
+        """(start, length) of a shard along the parameter's first dimension, for a fused
+        parameter of a module that does not place its parts itself (layers/parallel_linear.py
+        modules do, per tensor-parallel rank)."""
         raise NotImplementedError
+
+    def target_and_tensor(self, param_name: str, param: torch.Tensor, shard: int | None,
+                          tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The region of `param` a checkpoint tensor fills, and the tensor cut to it: a
+        sharded layer (layers/parallel_linear.py) cuts this rank's slice."""
+        module_name, _, leaf = param_name.rpartition(".")
+        module = self.get_submodule(module_name)
+        if hasattr(module, "shard_weight"):
+            if shard is not None:
+                param = param.narrow(0, *module.local_range(shard))
+            return param, module.shard_weight(leaf, tensor, shard)
+        if shard is not None:
+            param = param.narrow(0, *self.shard_range(param_name, shard))
+        return param, tensor
 
     def convert_weight(self, param_name: str, tensor: torch.Tensor) -> torch.Tensor:
         """The checkpoint tensor in our layout (same shape)."""
@@ -102,16 +118,15 @@ class CausalLM(nn.Module):
             param_name, shard = target
             if param_name not in params:
                 raise ValueError(f"unexpected weight {name!r} for {self.config.architecture}")
-            param = params[param_name]
-            if shard is not None:
-                param = param.narrow(0, *self.shard_range(param_name, shard))
-            if param.shape != tensor.shape:
+            expected = self._expected_shape(param_name, shard)
+            if tuple(tensor.shape) != expected:
                 raise ValueError(
-                    f"weight {name!r} has shape {tuple(tensor.shape)}, "
-                    f"expected {tuple(param.shape)}"
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, expected {expected}"
                 )
+            param, tensor = self.target_and_tensor(
+                param_name, params[param_name], shard, self.convert_weight(param_name, tensor))
             with torch.no_grad():
-                param.copy_(self.convert_weight(param_name, tensor))
+                param.copy_(tensor)
             loaded.add((param_name, shard))
         missing = []
         for param_name in params:
@@ -121,3 +136,16 @@ class CausalLM(nn.Module):
                     missing.append(param_name if shard is None else f"{param_name} (shard {shard})")
         if missing:
             raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:5])}")
+
+    def _expected_shape(self, param_name: str, shard: int | None) -> tuple[int, ...]:
+        """The checkpoint shape a tensor should have (the full, unsharded one)."""
+        module_name, _, leaf = param_name.rpartition(".")
+        module = self.get_submodule(module_name)
+        param = self.get_parameter(param_name)
+        if not hasattr(module, "full_shape"):
+            return tuple(param.narrow(0, *self.shard_range(param_name, shard)).shape
+                         if shard is not None else param.shape)
+        full = module.full_shape(leaf)
+        if shard is not None:
+            full = (module.part_sizes[shard], *full[1:])
+        return tuple(full)

@@ -10,14 +10,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.config import ModelConfig
+from pagedllm.distributed import parallel_state as ps
 from pagedllm.kernels.metadata import PagedAttentionInputMetadata
 from pagedllm.kernels.reference import alibi_slopes
 from pagedllm.layers.attention import PagedAttention
-from pagedllm.layers.linear import Linear
+from pagedllm.layers.parallel_linear import (
+    ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding,
+)
 from pagedllm.models.base import CausalLM
 
 
-class BloomEmbedding(nn.Embedding):
+class BloomEmbedding(VocabParallelEmbedding):
     """Token embedding followed by Bloom's word_embeddings_layernorm, in one module so the
     Worker's `embed_tokens.to_empty(...)` places both; `.weight` is the (tied) embedding."""
 
@@ -32,15 +35,18 @@ class BloomEmbedding(nn.Embedding):
 class BloomAttention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
+        self.num_heads = config.num_attention_heads // ps.tp_size()  # this rank's heads
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
+        q_full = config.num_attention_heads * self.head_dim
         # Our fused layout is [all q | all k | all v]; load_weights reorders Bloom's per-head one.
-        self.query_key_value = Linear(config.hidden_size, 3 * self.q_size)
-        self.dense = Linear(self.q_size, config.hidden_size)
-        # The slopes are plain CPU data, even while the model is built on the meta device.
+        self.query_key_value = ColumnParallelLinear(config.hidden_size, [q_full] * 3)
+        self.dense = RowParallelLinear(q_full, config.hidden_size)
+        # The slopes are plain CPU data, even while the model is built on the meta device;
+        # each rank takes its heads' slopes.
         with torch.device("cpu"):
-            slopes = alibi_slopes(self.num_heads)
+            slopes = alibi_slopes(config.num_attention_heads)
+        slopes = slopes[ps.tp_rank() * self.num_heads:][:self.num_heads]
         self.attn = PagedAttention(
             self.num_heads,
             self.head_dim,
@@ -60,8 +66,8 @@ class BloomAttention(nn.Module):
 class BloomMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.dense_h_to_4h = Linear(config.hidden_size, config.intermediate_size)
-        self.dense_4h_to_h = Linear(config.intermediate_size, config.hidden_size)
+        self.dense_h_to_4h = ColumnParallelLinear(config.hidden_size, [config.intermediate_size])
+        self.dense_4h_to_h = RowParallelLinear(config.intermediate_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x), approximate="tanh"))
@@ -106,7 +112,7 @@ class BloomForCausalLM(CausalLM):
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
 
     # The three stages (models/base.py); the state is (hidden,).
     def embed(self, input_ids: torch.Tensor) -> tuple[torch.Tensor]:

@@ -10,10 +10,13 @@ import torch
 from torch import nn
 
 from pagedllm.config import ModelConfig
+from pagedllm.distributed import parallel_state as ps
 from pagedllm.kernels.metadata import PagedAttentionInputMetadata
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import PagedAttention
-from pagedllm.layers.linear import Linear
+from pagedllm.layers.parallel_linear import (
+    ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding,
+)
 from pagedllm.layers.norms import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.models.base import CausalLM
@@ -22,15 +25,20 @@ from pagedllm.models.base import CausalLM
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        tp = ps.tp_size()
+        # This rank's heads (all of them on one rank); KV heads replicated past their count.
+        self.num_heads, self.num_kv_heads = ps.local_num_heads(config, tp)
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        q_full = config.num_attention_heads * self.head_dim
+        kv_full = config.num_key_value_heads * self.head_dim
+        kv_shards = ps.num_kv_shards(config.num_key_value_heads, tp)
+        self.qkv_proj = ColumnParallelLinear(
+            config.hidden_size, [q_full, kv_full, kv_full], bias=config.attention_bias,
+            part_shards=[tp, kv_shards, kv_shards],
         )
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = RowParallelLinear(q_full, config.hidden_size, bias=False)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -64,8 +72,9 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        size = config.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [size, size], bias=False)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=False)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -111,7 +120,7 @@ class LlamaForCausalLM(CausalLM):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)
         )
@@ -119,7 +128,7 @@ class LlamaForCausalLM(CausalLM):
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
 
     # The three stages (models/base.py). The state between layers is (hidden, residual);
     # residual is None before the first layer.
@@ -151,10 +160,3 @@ class LlamaForCausalLM(CausalLM):
         if ".qkv_proj." in param_name:
             return 3
         return 2 if ".gate_up_proj." in param_name else None
-
-    def shard_range(self, param_name: str, shard: int) -> tuple[int, int]:
-        c = self.config
-        if "qkv_proj" in param_name:
-            q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-            return [(0, q), (q, kv), (q + kv, kv)][shard]
-        return shard * c.intermediate_size, c.intermediate_size

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import replace
 
 import torch
 from torch import nn
 
 from pagedllm.config import resolve_dtype
+from pagedllm.distributed import parallel_state as ps
+from pagedllm.distributed.communication import all_reduce_min
 from pagedllm.engine_args import EngineArgs
 from pagedllm.engine.scheduler import SchedulerOutput
 from pagedllm.kernels.metadata import PagedAttentionInputMetadata, slots_for
@@ -36,6 +39,24 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def tp_device(device: torch.device, device_map: str) -> torch.device:
+    """The device of this tensor-parallel rank: its local GPU, or the CPU."""
+    if device_map:
+        raise ValueError("device_map and tensor_parallel_size > 1 cannot be combined (yet): "
+                         "give one or the other")
+    if device.type != "cuda":
+        return device
+    if device.index is not None and ps.tp_size() > 1:
+        raise ValueError(f"device {str(device)!r}: with tensor_parallel_size > 1 each rank "
+                         f"takes its own GPU (cuda:LOCAL_RANK); pass --device cuda or auto")
+    local = ps.state().local_rank
+    if local >= torch.cuda.device_count():
+        raise ValueError(f"tensor parallel rank {ps.tp_rank()} needs GPU {local}, but only "
+                         f"{torch.cuda.device_count()} GPU(s) are visible")
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
+
+
 class Worker:
     def __init__(self, args: EngineArgs) -> None:
         source = load_model_source(args.model, args.load_format, args.tokenizer)
@@ -45,6 +66,15 @@ class Worker:
         device = resolve_device(args.device)
         num_layers = config.num_hidden_layers
         spec = (args.device_map or "").strip()
+        tp = ps.tp_size()
+        if ps.is_initialized():
+            device = tp_device(device, spec)
+            ps.check_tp_size(config, tp)
+            torch.manual_seed(args.seed)  # every rank samples the same tokens (unseeded rows)
+        # The KV cache holds this rank's KV heads only (all of them without tensor parallelism).
+        heads, kv_heads = ps.local_num_heads(config, tp)
+        self.kv_config = kv_config = replace(config, num_attention_heads=heads,
+                                             num_key_value_heads=kv_heads)
         explicit_map = DeviceMap.parse(spec, num_layers) if spec and spec != "auto" else None
         if explicit_map is not None:
             device = explicit_map.input_device
@@ -71,15 +101,17 @@ class Worker:
                                   self.device_map.layer_devices)
         if graphs_supported(self.device_map.layer_devices, args.enforce_eager):
             self.runner.enable_cuda_graphs(self.max_num_seqs, self.max_model_len,
-                                           config.num_key_value_heads, config.head_dim, self.dtype)
-        self.num_gpu_blocks = args.num_gpu_blocks_override or self._profile_num_blocks(args)
+                                           kv_heads, config.head_dim, self.dtype)
+        # Every rank holds the same block numbers: the fewest any rank has room for.
+        self.num_gpu_blocks = all_reduce_min(
+            args.num_gpu_blocks_override or self._profile_num_blocks(args))
         if self.num_gpu_blocks < 1:
             raise ValueError("no memory is left for the KV cache: lower the batch limits or "
                              "give the cache more memory")
-        all_layers_block = bytes_per_block(config, args.block_size, self.dtype, num_layers)
+        all_layers_block = bytes_per_block(kv_config, args.block_size, self.dtype, num_layers)
         self.num_cpu_blocks = int(args.swap_space * (1 << 30)) // all_layers_block
         self.cache_engine = CacheEngine(
-            config, args.block_size, self.num_gpu_blocks, self.num_cpu_blocks, self.dtype,
+            kv_config, args.block_size, self.num_gpu_blocks, self.num_cpu_blocks, self.dtype,
             self.device_map,
         )
         if self.runner.graphs is not None:
@@ -132,7 +164,7 @@ class Worker:
         if device_map == "auto":
             device_map = plan_auto(self._usable_memory(args), PlacementInputs(
                 sizes,
-                kv_block_bytes=bytes_per_block(self.model_config, args.block_size, self.dtype, 1),
+                kv_block_bytes=bytes_per_block(self.kv_config, args.block_size, self.dtype, 1),
                 activation_peak=memory.estimate_activation_peak(
                     self.model_config, self.max_num_batched_tokens,
                     min(self.max_num_seqs, self.max_num_batched_tokens), self.dtype),
@@ -175,7 +207,7 @@ class Worker:
             d: memory.kv_budget(d, peaks[d], utilization[d], kv_memory[d]) for d in devices
         }
         block_bytes = {
-            d: bytes_per_block(self.model_config, args.block_size, self.dtype,
+            d: bytes_per_block(self.kv_config, args.block_size, self.dtype,
                                self.device_map.layers_on(d))
             for d in devices
         }
@@ -192,7 +224,7 @@ class Worker:
         lens = [seq_len] * (tokens // seq_len) + ([tokens % seq_len] if tokens % seq_len else [])
         bs = self.block_size
         num_blocks = sum(math.ceil(n / bs) for n in lens)
-        c = self.model_config
+        c = self.kv_config
         caches = [
             torch.empty((2, num_blocks, bs, c.num_key_value_heads, c.head_dim),
                         dtype=self.dtype, device=d)
@@ -213,6 +245,9 @@ class Worker:
         rows = min(self.max_num_seqs, tokens)
         self.model.compute_logits(hidden[:rows]).log_softmax(-1)
         del caches, hidden
+
+    def shutdown(self) -> None:
+        """Nothing to stop on one rank (tp_worker.DriverWorker stops the others)."""
 
     # ---------------------------------------------------------------- execution
     def apply_cache_ops(self, out: SchedulerOutput) -> None:

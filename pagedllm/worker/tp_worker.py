@@ -1,0 +1,229 @@
+"""Tensor parallelism's processes (the groups and collectives are pagedllm/distributed/).
+
+Rank 0 runs the engine and a DriverWorker; every other rank runs `worker_loop`: a Worker
+holding its shard of the model and of the KV cache (its KV heads, the same block numbers),
+which applies each step rank 0 broadcasts (the worker's own step inputs, pickled over the
+gloo CPU group) and runs the same forward, joining the all-reduces of the sharded layers.
+Logits are all-gathered, so every rank samples the same tokens (same seeds, same global
+generator seed): a multi-step decode's next input ids are on every rank without another
+message. The engine reads rank 0's results.
+
+Launch: on one machine `create_worker` starts ranks 1..N-1 with torch.multiprocessing
+(spawn) over a TCP rendezvous on localhost. Under torchrun (`torchrun --nnodes M
+--nproc-per-node K -m pagedllm.entrypoints.cli serve --tensor-parallel-size M*K ...`) every
+process runs the same command: rank 0 goes on to the engine, the others never return from
+`create_worker` (they serve steps until rank 0 stops, then exit).
+
+Failure: every collective of the forward has the timeout `distributed_timeout`; a rank that
+dies closes its sockets, which fails rank 0's next collective at once. Rank 0 raises
+TensorParallelError naming the rank that failed (from its process's exit code, when rank 0
+started it); the engine cannot go on after that.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from pagedllm.distributed import parallel_state as ps
+from pagedllm.distributed.communication import broadcast_object
+from pagedllm.engine_args import EngineArgs
+from pagedllm.worker.worker import Worker, resolve_device
+
+logger = logging.getLogger(__name__)
+
+STOP = None  # the message that ends the worker loops
+
+# The Worker methods that carry a step, which rank 0 forwards to the other ranks.
+STEP_METHODS = ("apply_cache_ops", "execute", "execute_multi_step")
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel rank failed or stopped answering; the engine cannot go on."""
+
+
+def create_worker(args: EngineArgs) -> Worker:
+    """The engine's worker: a plain Worker, or with tensor parallelism rank 0's DriverWorker
+    (starting the other ranks, or joining torchrun's). Under torchrun a rank other than 0
+    serves steps here and exits the process when rank 0 stops."""
+    env = ps.torchrun_env()
+    if env is None and args.tensor_parallel_size == 1:
+        return Worker(args)
+    if env is not None:
+        world, rank, local_rank = env
+        if world != args.tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size is {args.tensor_parallel_size} but torchrun "
+                             f"started {world} processes: they must be equal")
+        _init(args, world, rank, local_rank, "env://", local_world=int(
+            os.environ.get("LOCAL_WORLD_SIZE", world)))
+        if rank != 0:
+            code = worker_loop(args)
+            sys.exit(code)
+        return DriverWorker(args, [])
+    return DriverWorker(args, _spawn_ranks(args))
+
+
+def _backend(args: EngineArgs) -> str:
+    return "nccl" if resolve_device(args.device).type == "cuda" else "gloo"
+
+
+def _init(args: EngineArgs, world: int, rank: int, local_rank: int, init_method: str,
+          local_world: int) -> None:
+    backend = _backend(args)
+    if backend == "gloo":
+        # The ranks of one machine share its cores.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    ps.init_tensor_parallel(world, rank, local_rank, init_method, backend,
+                            args.distributed_timeout)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn_ranks(args: EngineArgs) -> list:
+    """Start ranks 1..N-1 on this machine and join the group as rank 0."""
+    size = args.tensor_parallel_size
+    if _backend(args) == "nccl" and torch.cuda.device_count() < size:
+        raise ValueError(f"tensor_parallel_size {size} needs {size} GPUs, but "
+                         f"{torch.cuda.device_count()} are visible")
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    context = torch.multiprocessing.get_context("spawn")
+    processes = []
+    for rank in range(1, size):
+        p = context.Process(target=_rank_main, args=(args, size, rank, init_method),
+                            name=f"pagedllm-tp-rank-{rank}", daemon=True)
+        p.start()
+        processes.append(p)
+    try:
+        _init(args, size, 0, 0, init_method, local_world=size)
+    except BaseException:
+        _stop_processes(processes)
+        raise
+    return processes
+
+
+def _rank_main(args: EngineArgs, world: int, rank: int, init_method: str) -> None:
+    """A spawned rank's process."""
+    logging.basicConfig(level=logging.WARNING)
+    _init(args, world, rank, rank, init_method, local_world=world)
+    sys.exit(worker_loop(args))
+
+
+def worker_loop(args: EngineArgs) -> int:
+    """A rank other than 0: build its Worker (joining the collectives of loading and
+    profiling), then apply every step rank 0 broadcasts until it says stop. The exit code:
+    0 after a stop, 1 after an error (rank 0 sees the closed connection)."""
+    try:
+        worker = Worker(args)
+        while True:
+            message = broadcast_object(None)
+            if message is STOP:
+                return 0
+            name, call_args = message
+            getattr(Worker, name)(worker, *call_args)
+    except Exception:
+        logger.exception("tensor parallel rank %d failed", ps.tp_rank())
+        return 1
+    finally:
+        ps.destroy_tensor_parallel()
+
+
+class DriverWorker(Worker):
+    """Rank 0's worker: each step goes to the other ranks first, then runs here."""
+
+    def __init__(self, args: EngineArgs, processes: list) -> None:
+        self.processes = processes
+        self._stopped = False
+        try:
+            with self._naming_failures():
+                super().__init__(args)
+        except BaseException:
+            self.shutdown()
+            raise
+        atexit.register(self.shutdown)
+
+    def _forward(self, name: str, *call_args: Any) -> Any:
+        if self._stopped:
+            raise TensorParallelError("the tensor-parallel ranks were stopped")
+        with self._naming_failures():
+            broadcast_object((name, call_args))
+            return getattr(Worker, name)(self, *call_args)
+
+    def apply_cache_ops(self, out) -> None:
+        return self._forward("apply_cache_ops", out)
+
+    def execute(self, out):
+        return self._forward("execute", out)
+
+    def execute_multi_step(self, out, num_steps: int):
+        return self._forward("execute_multi_step", out, num_steps)
+
+    # ---------------------------------------------------------------- failures
+    @contextlib.contextmanager
+    def _naming_failures(self) -> Iterator[None]:
+        """A failed collective becomes a TensorParallelError naming the rank."""
+        try:
+            yield
+        except (TensorParallelError, ValueError):
+            raise
+        except (RuntimeError, OSError) as exc:
+            self._stopped = True
+            raise TensorParallelError(self._describe_failure(exc)) from exc
+
+    def _describe_failure(self, exc: BaseException) -> str:
+        dead = []
+        for rank, p in enumerate(self.processes, start=1):
+            p.join(timeout=1.0)
+            if p.exitcode is not None:
+                dead.append(f"rank {rank} (pid {p.pid}) {_exit_text(p.exitcode)}")
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if dead:
+            return f"tensor parallel {', '.join(dead)}; the engine stops ({first})"
+        return (f"a tensor parallel rank failed or did not answer within "
+                f"{ps.state().timeout_s:g} s; the engine stops ({first})")
+
+    def shutdown(self) -> None:
+        """Stop the other ranks and leave the process group (also at exit)."""
+        if self._stopped:
+            _stop_processes(self.processes)
+            ps.destroy_tensor_parallel()
+            return
+        self._stopped = True
+        try:
+            broadcast_object(STOP)
+        except Exception:  # a rank already gone
+            pass
+        for p in self.processes:
+            p.join(timeout=10)
+        _stop_processes(self.processes)
+        ps.destroy_tensor_parallel()
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _stop_processes(processes: list) -> None:
+    for p in processes:
+        if p.is_alive():
+            p.terminate()
+            p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join()
