@@ -8,11 +8,17 @@ not compared. Every run checks that such near-ties are rare.
 """
 from __future__ import annotations
 
+import multiprocessing
+
 import pytest
 import torch
 import transformers
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.config import ModelConfig
+from pagedllm.distributed.parallel_state import check_tp_size
+from pagedllm.engine_args import EngineArgs
+from tests.prompts import mixed_prompts
 
 # A gap between the two best logprobs below this could flip under fp32 rounding.
 TIE_GAP = 1e-3
@@ -49,9 +55,14 @@ def token_prompts() -> list[list[int]]:
 
 
 def run(model: str, prompts, tp: int, **engine):
-    """Greedy outputs with logprobs of the two best tokens, and the engine's stats."""
-    llm = LLM(model, tensor_parallel_size=tp, **{**ENGINE, **engine})
+    """Greedy outputs with logprobs of the two best tokens, and the engine's stats. One
+    thread, as each rank gets on this 2-core machine (more threads than free cores slow a
+    tiny model's GEMMs down many times over)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    llm = None
     try:
+        llm = LLM(model, tensor_parallel_size=tp, **{**ENGINE, **engine})
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=2,
                                 ignore_eos=True)
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -62,7 +73,9 @@ def run(model: str, prompts, tp: int, **engine):
         assert bm.get_num_free_gpu_blocks() == bm.num_total_gpu_blocks, "blocks leaked"
         return outs, stats
     finally:
-        llm.engine.shutdown()
+        if llm is not None:
+            llm.engine.shutdown()
+        torch.set_num_threads(threads)
 
 
 def assert_same_greedy(reference, outputs) -> None:
@@ -83,14 +96,17 @@ def assert_same_greedy(reference, outputs) -> None:
     assert near_ties <= 2, f"{near_ties} of {len(reference)} sequences ended at a near-tie"
 
 
+def save_tiny(name: str, folder) -> str:
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(FAMILIES[name](), dtype=torch.float32)
+    hf.save_pretrained(folder, safe_serialization=True)
+    return str(folder)
+
+
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request, tmp_path_factory):
     """A tiny random model of the family saved as safetensors, and its TP=1 outputs."""
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(FAMILIES[request.param](),
-                                                       dtype=torch.float32)
-    path = tmp_path_factory.mktemp(f"tp-{request.param}")
-    hf.save_pretrained(path, safe_serialization=True)
+    path = save_tiny(request.param, tmp_path_factory.mktemp(f"tp-{request.param}"))
     prompts = token_prompts()
     reference, stats = run(str(path), prompts, tp=1)
     assert stats["preemptions"] > 0 and stats["cached"] > 0
@@ -104,3 +120,48 @@ def test_greedy_tokens_match_one_rank(family, tp):
     assert stats["preemptions"] > 0, "the small cache should have forced preemption"
     assert stats["cached"] > 0, "the shared prefix should have hit the prefix cache"
     assert_same_greedy(reference, outputs)
+
+
+def test_default_model_at_three_ranks():
+    """SmolLM2-135M: 9 heads and 3 KV heads, one KV head per rank."""
+    prompts = mixed_prompts()[8:24]  # 8 plain openings, 8 sharing a long prefix
+    engine = dict(block_size=16, num_gpu_blocks_override=48)
+    reference, ref_stats = run(None, prompts, tp=1, **engine)
+    outputs, stats = run(None, prompts, tp=3, **engine)
+    assert ref_stats["preemptions"] > 0 and stats["preemptions"] > 0
+    assert stats["cached"] > 0
+    assert_same_greedy(reference, outputs)
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, "2", True])
+def test_tensor_parallel_size_must_be_a_positive_integer(value):
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
+        EngineArgs(tensor_parallel_size=value)
+
+
+def test_device_map_and_tensor_parallelism_are_exclusive():
+    with pytest.raises(ValueError, match="device_map and tensor_parallel_size > 1 cannot be "
+                                         "combined"):
+        EngineArgs(tensor_parallel_size=2, device_map="cpu:1,cpu:1")
+
+
+@pytest.mark.parametrize("heads, kv, size, message", [
+    (9, 3, 2, "tensor_parallel_size 2 must divide the model's 9 attention heads"),
+    (12, 6, 4, "tensor_parallel_size 4 and the model's 6 key-value heads: one must divide "
+               "the other"),
+    (12, 12, 24, "tensor_parallel_size 24 must divide the model's 12 attention heads"),
+])
+def test_model_that_cannot_be_split_is_refused(heads, kv, size, message):
+    config = ModelConfig("llama", vocab_size=100, hidden_size=96, num_hidden_layers=1,
+                         num_attention_heads=heads, num_key_value_heads=kv, head_dim=8,
+                         intermediate_size=192)
+    with pytest.raises(ValueError, match=message):
+        check_tp_size(config, size)
+
+
+def test_refusal_reaches_the_caller_without_a_hang(tmp_path):
+    """Every rank refuses the split; rank 0 raises, the others exit, nothing waits on them."""
+    path = save_tiny("llama", tmp_path)
+    with pytest.raises(ValueError, match="tensor_parallel_size 4"):
+        LLM(path, tensor_parallel_size=4, **ENGINE)
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("pagedllm-tp")]

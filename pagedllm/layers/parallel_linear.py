@@ -106,6 +106,10 @@ class VocabParallelEmbedding(nn.Embedding):
         self.vocab_start, rows = ps.vocab_range(num_embeddings, self.rank, self.tp)
         super().__init__(rows, embedding_dim)
 
+    def reset_parameters(self) -> None:
+        """Nothing: weights are loaded or drawn by the loader. (nn.Embedding's normal_ on the
+        meta device imports torch's reference ops, seconds per process.)"""
+
     def full_shape(self, name: str) -> tuple[int, ...]:
         return (self.vocab_size, self.embedding_dim)
 

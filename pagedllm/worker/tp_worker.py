@@ -116,8 +116,14 @@ def _spawn_ranks(args: EngineArgs) -> list:
 def _rank_main(args: EngineArgs, world: int, rank: int, init_method: str) -> None:
     """A spawned rank's process."""
     logging.basicConfig(level=logging.WARNING)
-    _init(args, world, rank, rank, init_method, local_world=world)
-    sys.exit(worker_loop(args))
+    try:
+        _init(args, world, rank, rank, init_method, local_world=world)
+    except Exception as exc:  # rank 0 reports the failed rendezvous
+        logger.error("tensor parallel rank %d could not join: %s", rank, exc)
+        os._exit(1)
+    code = worker_loop(args)
+    logging.shutdown()
+    os._exit(code)  # skip the interpreter's teardown: rank 0 waits for this exit
 
 
 def worker_loop(args: EngineArgs) -> int:
@@ -132,6 +138,9 @@ def worker_loop(args: EngineArgs) -> int:
                 return 0
             name, call_args = message
             getattr(Worker, name)(worker, *call_args)
+    except ValueError as exc:  # a bad option or model: rank 0 raises the same error
+        logger.debug("tensor parallel rank %d: %s", ps.tp_rank(), exc)
+        return 1
     except Exception:
         logger.exception("tensor parallel rank %d failed", ps.tp_rank())
         return 1
