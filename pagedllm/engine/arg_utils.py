@@ -33,6 +33,9 @@ class EngineArgs:
     # Decode steps run back to back per scheduling step (samples stay on the device);
     # None: 8 on CUDA, 1 on the CPU (where the host's per-step work is small next to the model).
     num_scheduler_steps: int | None = None
+    # Launch the next decode window before reading the running one's samples, so the host's
+    # work overlaps the device's; None: on CUDA only (on the CPU the forward is synchronous).
+    async_scheduling: bool | None = None
     disable_log_stats: bool = True
 
     def __post_init__(self) -> None:
@@ -50,6 +53,10 @@ class EngineArgs:
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(
                 f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}"
+            )
+        if self.async_scheduling not in (None, True, False):
+            raise ValueError(
+                f"async_scheduling must be True, False or None, got {self.async_scheduling!r}"
             )
 
     @staticmethod
@@ -83,6 +90,9 @@ class EngineArgs:
         g.add_argument("--enforce-eager", action="store_true")
         g.add_argument("--num-scheduler-steps", type=int, default=None,
                        help="decode steps per scheduling step (default: 8 on CUDA, 1 on CPU)")
+        g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                       help="launch the next decode step before reading the running one's "
+                       "samples (default: on CUDA only)")
         return parser
 
     @classmethod
