@@ -222,3 +222,17 @@ def test_app_returns_500_in_openai_shape_and_recovers():
         await aengine.shutdown()
 
     run(main())
+
+
+def test_unknown_field_names_are_remembered_up_to_a_bound(caplog):
+    """Clients choose the names: one log line per request, and a bounded memory of them."""
+    from pagedllm.entrypoints.openai import protocol
+
+    body = {"prompt": [1], **{f"x{i}": i for i in range(3 * protocol.MAX_WARNED_FIELDS)}}
+    with caplog.at_level("WARNING", logger=protocol.__name__):
+        for _ in range(3):
+            protocol.CompletionRequest.model_validate(body)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith("CompletionRequest: ignoring the unknown field(s) 'x0', 'x1', ")
+    assert line.endswith(" ... (logged once per field)")
+    assert len(protocol._warned_fields) <= protocol.MAX_WARNED_FIELDS
