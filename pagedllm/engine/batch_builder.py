@@ -56,6 +56,11 @@ class StepBatchBuilder:
         tables = out.block_tables
         cow = out.cow_seq_ids
         pending = out.num_pending_tokens
+        # The batch's row lists, appended to directly: this loop runs for every sequence
+        # every step.
+        add_id, add_tokens = batch.seq_ids.append, batch.new_token_ids.append
+        add_computed = batch.num_computed_tokens.append
+        add_scheduled, add_sample = batch.num_scheduled_tokens.append, batch.do_sample.append
         for scheduled in out.scheduled_seq_groups:
             group = scheduled.seq_group
             seqs = group.seqs_dict
@@ -83,8 +88,11 @@ class StepBatchBuilder:
                 elif len(table) > sent.num_blocks:
                     batch.block_tables[seq_id] = (sent.num_blocks, table[sent.num_blocks:])
                     sent.num_blocks = len(table)
-                batch.add_row(seq_id, new_tokens, seq.num_computed_tokens + pending, chunk,
-                              do_sample)
+                add_id(seq_id)
+                add_tokens(new_tokens)
+                add_computed(seq.num_computed_tokens + pending)
+                add_scheduled(chunk)
+                add_sample(do_sample)
                 if do_sample and len(seqs) == 1 and not seq.output_token_ids \
                         and group.max_num_samples > 1:
                     batch.num_samples[seq_id] = group.max_num_samples

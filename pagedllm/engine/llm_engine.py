@@ -234,7 +234,8 @@ class LLMEngine:
                 if not scheduled.do_sample:
                     continue
                 samples = steps[0][seq.seq_id]
-                self._fork(group, seq, samples[1:])
+                if len(samples) > 1:
+                    self._fork(group, seq, samples[1:])
                 self._append(seq, samples[0], group)
                 for step in steps[1:]:
                     if seq.is_finished():

@@ -167,17 +167,21 @@ class ModelRunner:
                 list(parent.block_table), self._generator(fork.seed))
         for seq_id in batch.freed_seq_ids:
             seqs.pop(seq_id, None)
-        for seq_id, tokens in zip(batch.seq_ids, batch.new_token_ids):
-            if tokens:
-                self._state(seq_id).output_token_ids += tokens
-        for seq_id, (start, ids) in batch.block_tables.items():
-            self._state(seq_id).block_table[start:] = ids
+        # Plain indexing in the per-row loops (they run for every sequence every step); an
+        # unknown id becomes the clear error.
+        try:
+            for seq_id, tokens in zip(batch.seq_ids, batch.new_token_ids):
+                if tokens:
+                    seqs[seq_id].output_token_ids += tokens
+            for seq_id, (start, ids) in batch.block_tables.items():
+                seqs[seq_id].block_table[start:] = ids
+        except KeyError as missing:
+            raise _unknown(missing.args[0]) from None
 
     def _state(self, seq_id: int) -> SeqState:
         state = self.seqs.get(seq_id)
         if state is None:
-            raise ValueError(f"sequence {seq_id} is not known to the worker (never sent, or "
-                             f"freed)")
+            raise _unknown(seq_id)
         return state
 
     # ----------------------------------------------------------------- inputs
@@ -341,6 +345,10 @@ class ModelRunner:
         if indices == list(range(hidden.shape[0])):  # decode: every row, in order
             return hidden
         return hidden.index_select(0, host_to_device(indices, torch.long, hidden.device))
+
+
+def _unknown(seq_id: int) -> ValueError:
+    return ValueError(f"sequence {seq_id} is not known to the worker (never sent, or freed)")
 
 
 def _stack_packed(steps: list[SampledBatch]) -> torch.Tensor:
