@@ -13,9 +13,8 @@ import httpx
 import pytest
 
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
-from pagedllm.engine.sequence import RequestMetrics
 from pagedllm.entrypoints.openai.api_server import build_app
-from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -105,6 +104,22 @@ def test_generate_streams_every_output_then_sleeps():
         await aengine.shutdown()
 
     run(main())
+
+
+@pytest.mark.parametrize("log_stats", [False, True])
+def test_stats_are_logged_only_when_asked(log_stats, caplog):
+    async def main():
+        aengine = AsyncLLMEngine(ScriptedEngine(), log_stats=log_stats)
+        with caplog.at_level("INFO", logger="pagedllm.engine.async_engine"):
+            outs = [o async for o in aengine.generate([1], SamplingParams(max_tokens=3), "a")]
+        await aengine.shutdown()
+        return outs
+
+    assert len(run(main())) == 3
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine:")]
+    # Three steps well within one interval: one line (the first step), or none.
+    assert lines == (["engine: 1 running, 0 waiting, 0 swapped requests; KV cache 0.0% used; "
+                      "prefix cache hit rate 0.0%; 0 preemptions"] if log_stats else [])
 
 
 def test_concurrent_requests_get_their_own_outputs():

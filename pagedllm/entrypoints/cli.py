@@ -10,22 +10,12 @@ import logging
 import shlex
 import sys
 import time
-from typing import NoReturn
 
-EXIT_USAGE = 2
-
-
-class UsageError(Exception):
-    """A problem the user can fix from the command line: one `error:` line, exit 2."""
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(f"{message} (see `{self.prog} --help`)")
+from pagedllm.entrypoints.usage import EXIT_USAGE, Parser, UsageError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.engine_args import EngineArgs
 
     parser = Parser(prog="pagedllm", description="pagedllm: a PagedAttention LLM engine.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
@@ -111,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def load_engine(args: argparse.Namespace):
     """Build the LLMEngine, showing progress on stderr; bad options or models -> UsageError."""
-    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.engine_args import EngineArgs
     from pagedllm.engine.llm_engine import LLMEngine
 
     try:
@@ -166,7 +156,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     _show_progress_logs()
-    engine = AsyncLLMEngine(load_engine(args))
+    engine = AsyncLLMEngine(load_engine(args), log_stats=not args.disable_log_stats)
 
     def announce(url: str) -> None:
         print(ready_message(url, engine.model_name, args.api_key), flush=True)
@@ -304,8 +294,4 @@ def run_bench(workload: str, argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    # Run the imported module, not __main__, so its classes (UsageError) are the ones the
-    # subcommand modules import.
-    from pagedllm.entrypoints.cli import main as cli_main
-
-    sys.exit(cli_main())
+    sys.exit(main())

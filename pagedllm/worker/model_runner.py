@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from pagedllm.layers.metadata import PagedAttentionInputMetadata, host_to_device, slots_for
+from pagedllm.kernels.metadata import PagedAttentionInputMetadata, host_to_device, slots_for
 from pagedllm.layers.sampler import (
     SampledBatch, Sampler, SamplingRow, compute_prompt_logprobs, make_generator,
 )
+from pagedllm.models.device_map import DeviceMap
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.cuda_graphs import DecodeCUDAGraphs
-from pagedllm.worker.device_map import DeviceMap
 from pagedllm.worker.inputs import StepBatch, StepResult
 
 

@@ -5,7 +5,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from pagedllm.engine.async_engine import RequestStream
-from pagedllm.engine.sequence import Logprob
+from pagedllm.outputs import Logprob
 from pagedllm.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionLogProbs,

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel
 
 from pagedllm.engine.async_engine import AsyncLLMEngine, RequestStream
-from pagedllm.engine.sequence import Logprob
+from pagedllm.outputs import Logprob
 from pagedllm.entrypoints.openai.protocol import SamplingFields
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
