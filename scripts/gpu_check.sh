@@ -6,6 +6,9 @@
 #   parity         scripts/gpu_parity.py: CUDA fp32 == CPU fp32 greedy tokens, graphs == eager
 #   nano decode-8b throughput-8b prefix-8b
 #                  `pagedllm bench <workload>` (pagedllm/benchmarks/workloads.py)
+#   nano-sync decode-8b-sync throughput-8b-sync
+#                  the same with --no-async-scheduling (not in the default list: name them
+#                  in GPU_CHECK_STEPS for an on/off comparison in one run)
 #
 # Environment: OUT (log folder, default ./gpu-check-logs), PYTHON (default python3),
 # GPU_CHECK_STEPS (comma list, default all of the above), GPU_CHECK_PEERS (nano | all | 0:
@@ -76,10 +79,14 @@ PEERS=${GPU_CHECK_PEERS:-nano}
 run_step kernels 300 "$LOGS/kernels.log" $PY -m pytest -q -p no:cacheprovider tests/test_kernels.py
 run_step kernel-bench 300 "$LOGS/kernel_bench.log" $PY scripts/gpu_kernel_bench.py
 run_step parity 420 "$LOGS/parity.log" $PY scripts/gpu_parity.py --out "$LOGS/parity.json"
-for w in nano decode-8b throughput-8b prefix-8b; do
+BENCHES="nano decode-8b throughput-8b prefix-8b nano-sync decode-8b-sync throughput-8b-sync"
+for w in $BENCHES; do
+    workload=${w%-sync} extra=()
+    [ "$w" != "$workload" ] && extra=(--no-async-scheduling)
     peer=(--no-peer)
     case "$PEERS,$w" in nano,nano|all,nano|all,throughput-8b|1,nano) peer=(--peer) ;; esac
-    run_step "$w" 480 "$LOGS/bench.log" $PY "$WORK/bench.py" "$w" --out "$WORK/$w.json" "${peer[@]}"
+    run_step "$w" 480 "$LOGS/bench.log" $PY "$WORK/bench.py" "$workload" --out "$WORK/$w.json" \
+        "${peer[@]}" ${extra[@]+"${extra[@]}"}
     [ -f "$WORK/$w.json" ] && { echo "-- $w.json"; cat "$WORK/$w.json"; } >>"$LOGS/bench.log"
 done
 
@@ -96,7 +103,7 @@ done
     if [ -f "$LOGS/bench.log" ]; then
         echo
         grep -E "^== |KV budget|KV cache:|CUDA graph|Traceback|Error" "$LOGS/bench.log" | cut -c1-160
-        for w in nano decode-8b throughput-8b prefix-8b; do  # each table follows "results:"
+        for w in $BENCHES; do  # each table follows "results:"
             sed -n "/^results: .*\/$w.json/,/^== $w:/p" "$LOGS/bench.log" | sed '1s/^/\n/'
         done
     fi

@@ -8,7 +8,15 @@ not compared. Every run checks that such near-ties are rare.
 """
 from __future__ import annotations
 
+import json
 import multiprocessing
+import os
+import socket
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +28,7 @@ from pagedllm.distributed.parallel_state import check_tp_size
 from pagedllm.engine_args import EngineArgs
 from tests.prompts import mixed_prompts
 
+REPO = Path(__file__).resolve().parents[1]
 # A gap between the two best logprobs below this could flip under fp32 rounding.
 TIE_GAP = 1e-3
 MAX_TOKENS = 32
@@ -165,3 +174,74 @@ def test_refusal_reaches_the_caller_without_a_hang(tmp_path):
     with pytest.raises(ValueError, match="tensor_parallel_size 4"):
         LLM(path, tensor_parallel_size=4, **ENGINE)
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("pagedllm-tp")]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("family", ["llama"], indirect=True)
+def test_two_nodes_started_by_torchrun(family):
+    """Two `torchrun --nnodes 2 --nproc-per-node 1` launches on localhost, as two machines
+    would run them: rank 0's greedy tokens are the one-rank run's."""
+    path, prompts, reference = family
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+             "--nproc-per-node", "1", "--node-rank", str(rank), "--master-addr", "127.0.0.1",
+             "--master-port", str(port), "tests/tp_generate.py", path],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for rank in (0, 1)
+    ]
+    try:
+        results = [node.communicate(timeout=300) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    for node, (_, err) in zip(nodes, results):
+        assert node.returncode == 0, err[-3000:]
+    line = next(x for x in results[0][0].splitlines() if x.startswith("TOKENS "))
+    tokens = json.loads(line.removeprefix("TOKENS "))
+    assert not any(x.startswith("TOKENS ") for x in results[1][0].splitlines())
+    outputs = [types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=t)])
+               for t in tokens]
+    assert_same_greedy(reference, outputs)
+
+
+def test_killed_rank_fails_the_request_and_stops_the_server(tmp_path):
+    """A worker rank killed under a running server: the next request is answered with an
+    error naming the rank within the collective timeout, and the server exits non-zero."""
+    import httpx
+    import psutil
+
+    from tests.test_server import ServerProcess
+
+    path = save_tiny("llama", tmp_path)
+    timeout = 20
+    srv = ServerProcess(["--model", path, "--served-model-name", "tiny",
+                         "--tensor-parallel-size", "2", "--distributed-timeout", str(timeout),
+                         "--block-size", "8", "--num-gpu-blocks-override", "32",
+                         "--swap-space", "0.01"])
+    try:
+        url = srv.wait_ready()
+        body = {"model": "tiny", "prompt": [5, 17, 99, 3], "max_tokens": 4, "temperature": 0}
+        assert httpx.post(url + "/v1/completions", json=body, timeout=120).status_code == 200
+        ranks = [c for c in psutil.Process(srv.proc.pid).children()
+                 if "resource_tracker" not in " ".join(c.cmdline())]
+        assert len(ranks) == 1, ranks
+        ranks[0].kill()
+        ranks[0].wait(10)
+        start = time.monotonic()
+        reply = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        assert time.monotonic() - start < timeout + 10
+        assert reply.status_code in (500, 503), reply.text
+        message = reply.json()["error"]["message"]
+        assert f"rank 1 (pid {ranks[0].pid}) was killed by SIGKILL" in message, message
+        assert srv.proc.wait(timeout=60) != 0
+    finally:
+        srv.close()
+    assert "Traceback" not in srv.read_stderr()

@@ -131,9 +131,13 @@ def build_parser(workload: Workload) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=w.dtype, choices=DTYPES)
     p.add_argument("--device", default="cuda" if w.needs_cuda else "cpu")
     p.add_argument("--device-map", default=None)
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="GPUs (ranks) the model is split over (default 1)")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--num-scheduler-steps", type=int, default=None,
                    help="decode steps per scheduling step (default: 8 on CUDA, 1 on CPU)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="overlap the host's work with the device's (default: on CUDA only)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--kv-cache-memory", default=None, help="bytes for the KV cache on the CPU")
@@ -258,7 +262,8 @@ def engine_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
     kwargs = dict(
         load_format=args.load_format, dtype=args.dtype, device=args.device,
         device_map=args.device_map, seed=args.seed, enforce_eager=args.enforce_eager,
-        num_scheduler_steps=args.num_scheduler_steps,
+        tensor_parallel_size=args.tensor_parallel_size,
+        num_scheduler_steps=args.num_scheduler_steps, async_scheduling=args.async_scheduling,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
     )
@@ -381,6 +386,7 @@ def bench_cpu(args: argparse.Namespace) -> Report:
             runs.append(theirs)
             if isinstance(theirs, RunResult):
                 ratios.append(_ratio(ours, theirs))
+    llm.engine.shutdown()  # tensor-parallel ranks, if any
     del llm
     peer_model.clear()
     free_memory()
@@ -412,6 +418,7 @@ def bench_nano(args: argparse.Namespace) -> Report:
         fixed, _ = timed_generate(llm, f"pagedllm (greedy, {fixed_len} out)", prompts,
                                   [greedy] * len(prompts))
         runs.append(fixed)
+    llm.engine.shutdown()  # tensor-parallel ranks, if any
     del llm
     free_memory()
     if args.peer:
@@ -480,6 +487,7 @@ def bench_decode(args: argparse.Namespace) -> Report:
     decode_rate = statistics.fmean(rates) if rates else 0.0
     wbytes = weight_bytes_per_token(llm.engine.worker.model)
     device = llm.engine.worker.device_map.layer_devices[0]
+    llm.engine.shutdown()  # tensor-parallel ranks, if any
     del llm
     free_memory()
     nbytes = (1 << 30) if device.type == "cuda" else (1 << 26)
@@ -499,6 +507,7 @@ def bench_decode(args: argparse.Namespace) -> Report:
 def bench_throughput(args: argparse.Namespace) -> Report:
     llm, ours, _, prompts = _timed_greedy_run(args)
     preemptions = llm.engine.get_stats().num_preemptions
+    llm.engine.shutdown()  # tensor-parallel ranks, if any
     del llm
     free_memory()
     runs: list[RunResult | dict] = [ours]
@@ -531,6 +540,7 @@ def bench_prefix(args: argparse.Namespace) -> Report:
             total_tokens_per_s=(result.input_tokens + result.output_tokens) / result.elapsed_s,
         )
         runs.append(result)
+        llm.engine.shutdown()  # tensor-parallel ranks, if any
         del llm
         free_memory()
     on, off = runs
@@ -555,7 +565,8 @@ def bench_scheduler(args: argparse.Namespace) -> Report:
     columns = [("name", "step", "{}"), ("num_seqs", "running seqs", "{:d}"),
                ("num_steps", "steps", "{:d}"), ("mean_us", "mean (us)", "{:.1f}"),
                ("p50_us", "p50 (us)", "{:.1f}"), ("p99_us", "p99 (us)", "{:.1f}"),
-               ("schedule_mean_us", "schedule() mean (us)", "{:.1f}")]
+               ("schedule_mean_us", "schedule() mean (us)", "{:.1f}"),
+               ("build_mean_us", "StepBatch build (us)", "{:.1f}")]
     summary = {"enable_prefix_caching": args.enable_prefix_caching, "block_size": args.block_size}
     return Report("scheduler", WORKLOADS["scheduler"].description, [row], summary, columns)
 

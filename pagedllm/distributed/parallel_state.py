@@ -62,7 +62,8 @@ def init_tensor_parallel(world_size: int, rank: int, local_rank: int, init_metho
     import torch.distributed as dist
 
     if is_initialized():
-        raise RuntimeError("tensor parallelism is already initialized in this process")
+        raise RuntimeError("tensor parallelism is already initialized in this process: "
+                           "shut the previous engine down first (llm.engine.shutdown())")
     timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(backend, init_method=init_method, world_size=world_size,
                             rank=rank, timeout=timeout)
@@ -71,6 +72,14 @@ def init_tensor_parallel(world_size: int, rank: int, local_rank: int, init_metho
     cpu_group = dist.new_group(ranks, backend="gloo",
                                timeout=datetime.timedelta(seconds=IDLE_TIMEOUT_S))
     _state = ParallelState(rank, world_size, local_rank, device_group, cpu_group, timeout_s)
+    if backend == "nccl":
+        # Set NCCL's communicator up now with one all-reduce: a first collective inside a
+        # CUDA graph capture could not.
+        import torch
+
+        warm = torch.zeros(1, device=torch.device("cuda", local_rank))
+        dist.all_reduce(warm, group=device_group)
+        torch.cuda.synchronize()
 
 
 def destroy_tensor_parallel() -> None:

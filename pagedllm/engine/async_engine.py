@@ -87,6 +87,10 @@ class AsyncLLMEngine:
         self._streams: dict[str, RequestStream] = {}
         self._loop_task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
+        # Set when a step failed in a way the engine cannot recover from (a tensor-parallel
+        # rank died): later requests are refused, and `on_fatal` (the server) is told.
+        self.fatal_error: BaseException | None = None
+        self.on_fatal: Callable[[BaseException], None] | None = None
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "AsyncLLMEngine":
@@ -125,6 +129,8 @@ class AsyncLLMEngine:
         request_id: str | None = None,
     ) -> RequestStream:
         """Queue a request; raises the engine's ValueError here, before any output."""
+        if self.fatal_error is not None:
+            raise EngineDeadError(f"the engine failed: {self.fatal_error}")
         self._ensure_loop()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
@@ -217,9 +223,15 @@ class AsyncLLMEngine:
             try:
                 outputs, has_work = await self.run_in_engine_thread(self._step)
             except Exception as exc:
-                logger.exception("engine step failed")
+                if getattr(exc, "fatal", False):
+                    logger.error("engine step failed: %s", exc)
+                    self.fatal_error = exc
+                else:
+                    logger.exception("engine step failed")
                 self._fail_all(exc)
                 has_work, outputs = False, []
+                if self.fatal_error is not None and self.on_fatal is not None:
+                    self.on_fatal(exc)
             for output in outputs:
                 self._deliver(output)
             if not has_work:

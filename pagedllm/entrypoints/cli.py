@@ -165,6 +165,9 @@ def run_serve(args: argparse.Namespace) -> int:
                           max_request_bytes=args.max_request_bytes,
                           max_tokens_default=args.max_tokens_default)
     asyncio.run(serve(engine, sock, config, announce, args.log_level))
+    if engine.fatal_error is not None:
+        print(f"error: the engine failed: {engine.fatal_error}", file=sys.stderr)
+        return 1
     return 0
 
 

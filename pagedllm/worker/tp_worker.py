@@ -2,8 +2,9 @@
 
 Rank 0 runs the engine and a DriverWorker; every other rank runs `worker_loop`: a Worker
 holding its shard of the model and of the KV cache (its KV heads, the same block numbers),
-which applies each step rank 0 broadcasts (the worker's own step inputs, pickled over the
-gloo CPU group) and runs the same forward, joining the all-reduces of the sharded layers.
+which applies each StepBatch rank 0 broadcasts (worker/inputs.py: plain data, pickled over
+the gloo CPU group by broadcast_object_list) to its own copy of the per-sequence state and
+runs the same forward, joining the all-reduces of the sharded layers.
 Logits are all-gathered, so every rank samples the same tokens (same seeds, same global
 generator seed): a multi-step decode's next input ids are on every rank without another
 message. The engine reads rank 0's results.
@@ -29,25 +30,26 @@ import signal
 import socket
 import sys
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 
 from pagedllm.distributed import parallel_state as ps
 from pagedllm.distributed.communication import broadcast_object
 from pagedllm.engine_args import EngineArgs
+from pagedllm.worker.inputs import StepBatch, StepResult
+from pagedllm.worker.model_runner import PendingStep
 from pagedllm.worker.worker import Worker, resolve_device
 
 logger = logging.getLogger(__name__)
 
 STOP = None  # the message that ends the worker loops
 
-# The Worker methods that carry a step, which rank 0 forwards to the other ranks.
-STEP_METHODS = ("apply_cache_ops", "execute", "execute_multi_step")
 
 
 class TensorParallelError(RuntimeError):
     """A tensor-parallel rank failed or stopped answering; the engine cannot go on."""
+
+    fatal = True  # the server answers the requests in flight, then exits non-zero
 
 
 def create_worker(args: EngineArgs) -> Worker:
@@ -79,8 +81,15 @@ def _init(args: EngineArgs, world: int, rank: int, local_rank: int, init_method:
           local_world: int) -> None:
     backend = _backend(args)
     if backend == "gloo":
-        # The ranks of one machine share its cores.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        # The ranks of one machine share its cores (unless OMP_NUM_THREADS says otherwise).
+        threads = os.environ.get("OMP_NUM_THREADS")
+        torch.set_num_threads(int(threads) if threads and threads.isdigit() else
+                              max(1, (os.cpu_count() or 1) // local_world))
+    elif local_rank >= torch.cuda.device_count():
+        raise ValueError(f"tensor parallel rank {rank} needs GPU {local_rank} of this machine, "
+                         f"but {torch.cuda.device_count()} are visible")
+    else:
+        torch.cuda.set_device(local_rank)  # NCCL's communicator lives on this rank's GPU
     ps.init_tensor_parallel(world, rank, local_rank, init_method, backend,
                             args.distributed_timeout)
 
@@ -133,11 +142,10 @@ def worker_loop(args: EngineArgs) -> int:
     try:
         worker = Worker(args)
         while True:
-            message = broadcast_object(None)
-            if message is STOP:
+            batch = broadcast_object(None)
+            if batch is STOP:
                 return 0
-            name, call_args = message
-            getattr(Worker, name)(worker, *call_args)
+            worker.launch(batch).wait()
     except ValueError as exc:  # a bad option or model: rank 0 raises the same error
         logger.debug("tensor parallel rank %d: %s", ps.tp_rank(), exc)
         return 1
@@ -162,21 +170,12 @@ class DriverWorker(Worker):
             raise
         atexit.register(self.shutdown)
 
-    def _forward(self, name: str, *call_args: Any) -> Any:
+    def launch(self, batch: StepBatch) -> PendingStep:
         if self._stopped:
             raise TensorParallelError("the tensor-parallel ranks were stopped")
         with self._naming_failures():
-            broadcast_object((name, call_args))
-            return getattr(Worker, name)(self, *call_args)
-
-    def apply_cache_ops(self, out) -> None:
-        return self._forward("apply_cache_ops", out)
-
-    def execute(self, out):
-        return self._forward("execute", out)
-
-    def execute_multi_step(self, out, num_steps: int):
-        return self._forward("execute_multi_step", out, num_steps)
+            broadcast_object(batch)
+            return _GuardedStep(super().launch(batch), self)
 
     # ---------------------------------------------------------------- failures
     @contextlib.contextmanager
@@ -217,6 +216,18 @@ class DriverWorker(Worker):
             p.join(timeout=10)
         _stop_processes(self.processes)
         ps.destroy_tensor_parallel()
+
+
+class _GuardedStep:
+    """A launched step whose wait() also names a failed rank (on CUDA the collectives of
+    the step may fail only when its results are waited for)."""
+
+    def __init__(self, pending: PendingStep, driver: DriverWorker) -> None:
+        self.pending, self.driver = pending, driver
+
+    def wait(self) -> StepResult:
+        with self.driver._naming_failures():
+            return self.pending.wait()
 
 
 def _exit_text(code: int) -> str:

@@ -348,6 +348,9 @@ async def serve(
         if on_ready is not None:
             on_ready(url)
 
+    # An engine that cannot go on (a tensor-parallel rank died) stops the server once the
+    # requests in flight have their error; the command then exits non-zero.
+    engine.on_fatal = lambda exc: setattr(server, "should_exit", True)
     announcer = asyncio.ensure_future(announce())
     try:
         await server.serve(sockets=[sock])
