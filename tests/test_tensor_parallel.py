@@ -233,8 +233,7 @@ def test_killed_rank_fails_the_request_and_stops_the_server(tmp_path):
         ranks = [c for c in psutil.Process(srv.proc.pid).children()
                  if "resource_tracker" not in " ".join(c.cmdline())]
         assert len(ranks) == 1, ranks
-        ranks[0].kill()
-        ranks[0].wait(10)
+        ranks[0].kill()  # the server's child: a zombie until the server reaps it
         start = time.monotonic()
         reply = httpx.post(url + "/v1/completions", json=body, timeout=120)
         assert time.monotonic() - start < timeout + 10

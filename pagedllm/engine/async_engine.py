@@ -29,7 +29,12 @@ STATS_LOG_INTERVAL = 10.0
 
 
 class EngineDeadError(RuntimeError):
-    """The engine raised inside step(); the requests that were in flight are dropped."""
+    """The engine raised inside step(); the requests that were in flight are dropped.
+    `fatal`: the engine cannot go on (a tensor-parallel rank died); the server stops."""
+
+    def __init__(self, message: str, fatal: bool = False) -> None:
+        super().__init__(message)
+        self.fatal = fatal
 
 
 class OutputObserver(Protocol):
@@ -130,7 +135,7 @@ class AsyncLLMEngine:
     ) -> RequestStream:
         """Queue a request; raises the engine's ValueError here, before any output."""
         if self.fatal_error is not None:
-            raise EngineDeadError(f"the engine failed: {self.fatal_error}")
+            raise EngineDeadError(f"the engine failed: {self.fatal_error}", fatal=True)
         self._ensure_loop()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
@@ -252,7 +257,8 @@ class AsyncLLMEngine:
 
     def _fail_all(self, exc: Exception) -> None:
         """A step raised: end every in-flight request with the error, keep the loop alive."""
-        error = EngineDeadError(f"the engine failed: {type(exc).__name__}: {exc}")
+        error = EngineDeadError(f"the engine failed: {type(exc).__name__}: {exc}",
+                                fatal=getattr(exc, "fatal", False))
         for request_id, stream in list(self._streams.items()):
             del self._streams[request_id]
             stream.put(error)

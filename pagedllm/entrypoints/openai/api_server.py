@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedllm.engine.async_engine import AsyncLLMEngine
+from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pagedllm.entrypoints.openai.body_limit import DEFAULT_MAX_REQUEST_BYTES, RequestBodyLimit
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import (
@@ -230,6 +230,12 @@ async def _cancel_on_disconnect(request: Request, work: Awaitable[Any]) -> Any:
         return task.result()
     except OpenAIError:
         raise
+    except EngineDeadError as exc:
+        if not exc.fatal:
+            raise OpenAIError(f"internal error: {exc}", 500,
+                              type="internal_server_error") from None
+        # The engine is gone (a tensor-parallel rank died; logged once); the server stops.
+        raise OpenAIError(str(exc), 503, type="internal_server_error") from None
     except Exception as exc:  # this request fails; the server and the engine loop go on
         logger.exception("request failed")
         raise OpenAIError(f"internal error: {type(exc).__name__}: {exc}", 500,
