@@ -9,6 +9,14 @@
 #   nano-sync decode-8b-sync throughput-8b-sync
 #                  the same with --no-async-scheduling (not in the default list: name them
 #                  in GPU_CHECK_STEPS for an on/off comparison in one run)
+#   tp-parity tp-decode-8b tp-throughput-8b tp-allreduce
+#                  tensor parallelism (scripts/gpu_tp.py; not in the default list): greedy
+#                  fp32 TP=2 == TP=1 on a random 30-layer Llama; decode-8b / throughput-8b at
+#                  --tensor-parallel-size 2 (compare with the decode-8b / throughput-8b steps
+#                  of the same run; KV capacity is the "KV cache:" line of each); the NCCL
+#                  share of a TP=2 decode step. With one GPU each runs one rank inside an
+#                  NCCL group instead (torchrun --nproc-per-node 1: the all-reduces run for
+#                  real, inside the CUDA graphs) and says TP=2 was skipped.
 #
 # Environment: OUT (log folder, default ./gpu-check-logs), PYTHON (default python3),
 # GPU_CHECK_STEPS (comma list, default all of the above), GPU_CHECK_PEERS (nano | all | 0:
@@ -69,7 +77,8 @@ import logging, sys
 logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
 logging.getLogger("pagedllm").setLevel(logging.INFO)
 from pagedllm.entrypoints.cli import main
-sys.exit(main(["bench", *sys.argv[1:]]))
+if __name__ == "__main__":  # tensor-parallel ranks are spawned: they import this file again
+    sys.exit(main(["bench", *sys.argv[1:]]))
 EOF
 
 # Peers: nano's (transformers continuous batching, ~3 min) by default; throughput-8b's
@@ -90,6 +99,28 @@ for w in $BENCHES; do
     [ -f "$WORK/$w.json" ] && { echo "-- $w.json"; cat "$WORK/$w.json"; } >>"$LOGS/bench.log"
 done
 
+# Tensor parallelism: TP=2 where two GPUs are visible, else one rank in an NCCL group.
+NGPU=$($PY -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+if [ "$NGPU" -ge 2 ]; then
+    TP=2 TPRUN=$PY
+else
+    TP=1 TPRUN="$PY -m torch.distributed.run --standalone --nproc-per-node 1"
+fi
+{
+    echo "set -e"
+    [ "$TP" = 2 ] || echo "echo 'SKIP TP=2: $NGPU GPU(s) visible; checking TP=1 inside an NCCL group instead'"
+    echo "$PY scripts/gpu_tp.py generate --tp 1 --model-dir $WORK/tp-model --out $WORK/tp1.json"
+    echo "$TPRUN scripts/gpu_tp.py generate --tp $TP --model-dir $WORK/tp-model --out $WORK/tp$TP-nccl.json"
+    echo "$PY scripts/gpu_tp.py compare $WORK/tp1.json $WORK/tp$TP-nccl.json"
+} >"$WORK/tp_parity.sh"
+run_step tp-parity 900 "$LOGS/tp.log" bash "$WORK/tp_parity.sh"
+for w in decode-8b throughput-8b; do
+    run_step "tp-$w" 600 "$LOGS/bench.log" $TPRUN "$WORK/bench.py" "$w" --no-peer \
+        --tensor-parallel-size $TP --out "$WORK/tp-$w.json"
+    [ -f "$WORK/tp-$w.json" ] && { echo "-- tp-$w.json"; cat "$WORK/tp-$w.json"; } >>"$LOGS/bench.log"
+done
+run_step tp-allreduce 600 "$LOGS/tp.log" $TPRUN scripts/gpu_tp.py allreduce-share --tp $TP
+
 {
     echo
     echo "================ gpu-check summary ================"
@@ -100,10 +131,11 @@ done
     [ -f "$LOGS/kernel_bench.log" ] && grep -E "checks passed" "$LOGS/kernel_bench.log" \
         | sed 's/^/kernel-bench: /'
     [ -f "$LOGS/parity.log" ] && sed -n '/^check /,$p' "$LOGS/parity.log"
+    [ -f "$LOGS/tp.log" ] && grep -E "^SKIP|^check tp-parity|^allreduce-share" "$LOGS/tp.log"
     if [ -f "$LOGS/bench.log" ]; then
         echo
         grep -E "^== |KV budget|KV cache:|CUDA graph|Traceback|Error" "$LOGS/bench.log" | cut -c1-160
-        for w in $BENCHES; do  # each table follows "results:"
+        for w in $BENCHES tp-decode-8b tp-throughput-8b; do  # each table follows "results:"
             sed -n "/^results: .*\/$w.json/,/^== $w:/p" "$LOGS/bench.log" | sed '1s/^/\n/'
         done
     fi

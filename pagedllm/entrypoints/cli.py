@@ -140,6 +140,7 @@ def _show_progress_logs(level: int = logging.INFO) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     import asyncio
 
+    from pagedllm.distributed.parallel_state import torchrun_env
     from pagedllm.engine.async_engine import AsyncLLMEngine
     from pagedllm.entrypoints.openai.api_server import ServerConfig, bind_socket, serve
 
@@ -151,6 +152,10 @@ def run_serve(args: argparse.Namespace) -> int:
         raise UsageError(f"--max-tokens-default must be at least 1, got {args.max_tokens_default}")
     if args.metrics_need_key and args.api_key is None:
         raise UsageError("--metrics-need-key needs --api-key")
+    torchrun = torchrun_env()
+    if torchrun is not None and torchrun[1] != 0:
+        load_engine(args)  # a torchrun rank other than 0 serves rank 0's steps, exits there
+        return 0
     try:
         sock = bind_socket(args.host, args.port)
     except ValueError as exc:
