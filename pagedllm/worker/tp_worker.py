@@ -116,8 +116,11 @@ def _spawn_ranks(args: EngineArgs) -> list:
         processes.append(p)
     try:
         _init(args, size, 0, 0, init_method, local_world=size)
-    except BaseException:
+    except BaseException as exc:
+        dead = _dead_ranks(processes)
         _stop_processes(processes)
+        if dead and isinstance(exc, RuntimeError):
+            raise TensorParallelError(f"tensor parallel {dead} before joining") from exc
         raise
     return processes
 
@@ -190,14 +193,10 @@ class DriverWorker(Worker):
             raise TensorParallelError(self._describe_failure(exc)) from exc
 
     def _describe_failure(self, exc: BaseException) -> str:
-        dead = []
-        for rank, p in enumerate(self.processes, start=1):
-            p.join(timeout=1.0)
-            if p.exitcode is not None:
-                dead.append(f"rank {rank} (pid {p.pid}) {_exit_text(p.exitcode)}")
+        dead = _dead_ranks(self.processes)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if dead:
-            return f"tensor parallel {', '.join(dead)}; the engine stops ({first})"
+            return f"tensor parallel {dead}; the engine stops ({first})"
         return (f"a tensor parallel rank failed or did not answer within "
                 f"{ps.state().timeout_s:g} s; the engine stops ({first})")
 
@@ -228,6 +227,16 @@ class _GuardedStep:
     def wait(self) -> StepResult:
         with self.driver._naming_failures():
             return self.pending.wait()
+
+
+def _dead_ranks(processes: list) -> str:
+    """"rank 1 (pid 4242) was killed by SIGKILL, ..." for the started ranks that ended."""
+    dead = []
+    for rank, p in enumerate(processes, start=1):
+        p.join(timeout=1.0)
+        if p.exitcode is not None:
+            dead.append(f"rank {rank} (pid {p.pid}) {_exit_text(p.exitcode)}")
+    return ", ".join(dead)
 
 
 def _exit_text(code: int) -> str:
