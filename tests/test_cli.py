@@ -52,6 +52,16 @@ def test_help(capsys):
     assert code == 0 and "--num-clients" in out
 
 
+def test_help_imports_neither_torch_nor_transformers():
+    """`pagedllm --help` answers at once: the package's names load on first use."""
+    code = ("import sys; import pagedllm; from pagedllm.entrypoints.cli import build_parser; "
+            "pagedllm.SamplingParams; build_parser().format_help(); "
+            "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                            text=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert result.stdout.strip() == "[]", result.stderr
+
+
 @pytest.mark.parametrize("argv,fragment", [
     (["serve", "--port", "eighty"], "--port"),
     (["serve", "--port", "70000"], "--port must be in [0, 65535]"),
