@@ -19,6 +19,7 @@ from pagedllm.loader import (
     load_model_source,
     preset_names,
 )
+from pagedllm.loader.gguf_dequant import dequantize
 from pagedllm.loader.gguf_loader import unpermute_rotary_rows
 
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
@@ -268,6 +269,20 @@ def test_unpermute_inverts_llama_cpp_order():
     w = np.arange(4 * 8 * 3, dtype=np.float32).reshape(32, 3)
     assert not np.array_equal(llama_cpp_permute(w, 4), w)
     assert np.array_equal(unpermute_rotary_rows(llama_cpp_permute(w, 4), 4), w)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "F16", "Q5_0"])
+def test_dequantize_is_gguf_bit_for_bit(qtype):
+    """The torch dequantizers do gguf's fp32 operations in gguf's order (one rounding each,
+    no fused multiply-add), so the values are identical, not merely close; Q5_0 goes to gguf."""
+    qtype = gguf.GGMLQuantizationType[qtype]
+    values = np.random.default_rng(0).standard_normal((5, 3, 128)).astype(np.float32) * 0.05
+    values[0, 0, :32] = 0.0  # a zero block: scale 0
+    data = gguf.quants.quantize(values, qtype)
+    got = dequantize(data, qtype)
+    want = gguf.quants.dequantize(data, qtype)
+    assert got.dtype == np.float32 and got.shape == want.shape == values.shape
+    assert np.array_equal(got, want)
 
 
 def test_gguf_rope_scaling_metadata(tmp_path):

@@ -16,6 +16,7 @@ import torch
 
 from pagedllm.config import ModelConfig
 from pagedllm.loader.errors import ModelLoadError, first_line
+from pagedllm.loader.gguf_dequant import dequantize
 from pagedllm.loader.source import WeightIterator
 
 logger = logging.getLogger(__name__)
@@ -73,13 +74,31 @@ def open_gguf(path: str) -> gguf.GGUFReader:
 _READERS: dict[tuple[str, int, int], gguf.GGUFReader] = {}
 
 
+class _Reader(gguf.GGUFReader):
+    """GGUFReader reading its header through a plain ndarray view of the memory map.
+
+    The reader slices the map once per metadata value (~150,000 times for a 49k-token
+    vocabulary with its merges), and slicing an np.memmap runs Python code each time;
+    the same bytes through a plain view parse about 4x faster, with identical results.
+    """
+
+    def _get(self, offset, dtype, count=1, override_order=None):
+        plain = self.__dict__.get("_plain")
+        if plain is None:
+            plain = self._plain = self.data.view(np.ndarray)
+        count = int(count)
+        arr = plain[offset:offset + np.dtype(dtype).itemsize * count].view(dtype=dtype)[:count]
+        order = self.byte_order if override_order is None else override_order
+        return arr.view(arr.dtype.newbyteorder(order))
+
+
 def _open_gguf(path: str) -> gguf.GGUFReader:
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
         raise ModelLoadError(path, "not a GGUF file (bad magic bytes)")
     try:
-        return gguf.GGUFReader(path)
+        return _Reader(path)
     except Exception as e:  # numpy reshape / index errors from a cut or damaged file
         raise ModelLoadError(path, "truncated or corrupt GGUF file") from e
 
@@ -222,7 +241,7 @@ def _iter_weights(
     for item in plan:
         t = item.tensor
         try:
-            array = gguf.quants.dequantize(t.data, t.tensor_type)
+            array = dequantize(t.data, t.tensor_type)
             # GGUF lists dimensions innermost first.
             array = array.reshape([int(d) for d in reversed(t.shape)])
         except Exception as e:
