@@ -208,9 +208,9 @@ def stream_answer(engine, prompt: str | list[int], params, request_id: str) -> s
 
 
 def _chat_prompt(engine, messages: list[dict]) -> list[int]:
-    # As LLM.chat: the template writes the special tokens, so none are added.
-    text = engine.apply_chat_template(messages, add_generation_prompt=True)
-    return engine.tokenizer.encode(text, add_special_tokens=False)
+    from pagedllm.entrypoints.chat_utils import apply_chat_template
+
+    return apply_chat_template(engine.tokenizer, messages)  # as LLM.chat
 
 
 def _has_chat_template(engine) -> bool:
