@@ -266,6 +266,26 @@ def test_directory_with_one_gguf(tmp_path):
     assert load_model_source(str(tmp_path), load_format="gguf").config == source.config
 
 
+def test_weights_with_a_progress_bar_are_the_same_weights(tmp_path, monkeypatch):
+    import io
+
+    from tqdm import tqdm
+
+    write_tiny_gguf(tmp_path / "m.gguf")
+    source = load_model_source(str(tmp_path / "m.gguf"))
+    plain = list(source.iter_weights(torch.float32))
+    total = sum(t.numel() * t.element_size() for _, t in plain)
+    shown = io.StringIO()
+    shown.isatty = lambda: True  # a terminal: the bar is drawn (no delay here)
+    original = tqdm.__init__
+    monkeypatch.setattr(tqdm, "__init__", lambda self, *a, **k: original(
+        self, *a, **{**k, "file": shown, "delay": 0}))
+    with_bar = list(source.iter_weights(torch.float32, total))
+    assert [n for n, _ in with_bar] == [n for n, _ in plain]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(with_bar, plain))
+    assert "Loading weights: 100%" in shown.getvalue()
+
+
 def test_unpermute_inverts_llama_cpp_order():
     w = np.arange(4 * 8 * 3, dtype=np.float32).reshape(32, 3)
     assert not np.array_equal(llama_cpp_permute(w, 4), w)

@@ -24,8 +24,26 @@ class ModelSource:
     load_format: str  # "gguf" | "safetensors" | "dummy"
     weight_iterator: WeightIterator | None = field(default=None, repr=False)
 
-    def iter_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        """(Hugging Face tensor name, CPU tensor in dtype). Empty for dummy weights."""
+    def iter_weights(
+        self, dtype: torch.dtype, total_bytes: int | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(Hugging Face tensor name, CPU tensor in dtype). Empty for dummy weights.
+
+        With total_bytes (the model's), a progress bar on stderr for loads that take more
+        than two seconds, where stderr is a terminal.
+        """
         if self.weight_iterator is None:
             return iter(())
-        return self.weight_iterator(dtype)
+        weights = self.weight_iterator(dtype)
+        return weights if total_bytes is None else _with_progress(weights, total_bytes)
+
+
+def _with_progress(weights: Iterator[tuple[str, torch.Tensor]],
+                   total_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+    from tqdm.auto import tqdm
+
+    with tqdm(total=total_bytes, desc="Loading weights", unit="B", unit_scale=True,
+              unit_divisor=1024, delay=2, disable=None, dynamic_ncols=True) as bar:
+        for name, tensor in weights:
+            yield name, tensor
+            bar.update(tensor.numel() * tensor.element_size())

@@ -116,7 +116,8 @@ class Worker:
         if source.load_format == "dummy":
             initialize_dummy_weights(model, args.seed)
         else:
-            model.load_weights(source.iter_weights(self.dtype))
+            total = sum(p.numel() * p.element_size() for p in model.parameters())
+            model.load_weights(source.iter_weights(self.dtype, total))
         self._prepack_cpu_linears(model)
         return model.eval()
 
