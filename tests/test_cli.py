@@ -50,6 +50,19 @@ def test_help(capsys):
         assert option in out
     code, out, _ = run_main(capsys, "bench", "serve", "--help")
     assert code == 0 and "--num-clients" in out
+    code, out, _ = run_main(capsys, "bench", "load", "--help")
+    assert code == 0 and "--repeats" in out
+
+
+def test_bench_help_lists_every_workload_on_one_line(capsys):
+    from pagedllm.benchmarks import WORKLOAD_HELP, workloads
+
+    assert set(WORKLOAD_HELP) == {*workloads.WORKLOADS, "serve", "load"}
+    code, out, _ = run_main(capsys, "bench", "--help")
+    assert code == 0
+    lines = out.splitlines()
+    for name, text in WORKLOAD_HELP.items():
+        assert any(line.split() == [name, *text.split()] for line in lines), name
 
 
 def test_help_imports_neither_torch_nor_transformers():
@@ -72,6 +85,7 @@ def test_help_imports_neither_torch_nor_transformers():
     (["bench", "serve", "--num-clients", "0"], "--num-clients must be at least 1"),
     (["bench", "serve", "--url", "http://127.0.0.1:9", "--bogus"], "--bogus"),
     (["bench", "no-such-workload"], "unknown benchmark workload 'no-such-workload'"),
+    (["bench", "load", "--repeats", "0"], "--repeats must be at least 1"),
 ])
 def test_bad_options_exit_2(capsys, argv, fragment):
     code, out, err = run_main(capsys, *argv)

@@ -29,7 +29,7 @@ from typing import Any, NoReturn
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.benchmarks import peers
+from pagedllm.benchmarks import WORKLOAD_HELP, peers
 from pagedllm.benchmarks.scheduler_bench import run_scheduler_bench
 
 EXIT_USAGE = 2
@@ -185,7 +185,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     workload = WORKLOADS.get(argv[0])
     if workload is None:
         raise BenchUsageError(
-            f"unknown benchmark workload {argv[0]!r}; choose from: serve, {', '.join(WORKLOADS)}"
+            f"unknown benchmark workload {argv[0]!r}; choose from: "
+            f"{', '.join(WORKLOAD_HELP)}"
         )
     args = build_parser(workload).parse_args(argv[1:])
     args.workload = workload.name

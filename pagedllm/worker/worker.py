@@ -2,6 +2,7 @@
 scheduled steps (cache swaps/copies, then the forward and sampling)."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 
@@ -40,6 +41,21 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return DTYPES[name]
+
+
+@contextlib.contextmanager
+def _no_init():
+    """Skip the random init of parameters built on the meta device: they get their values
+    only after placement, and nn.init.normal_ on meta imports torch._dynamo (2-4 s)."""
+    names = [n for n in dir(nn.init) if n.endswith("_") and not n.startswith("_")]
+    saved = {n: getattr(nn.init, n) for n in names}
+    for n in names:
+        setattr(nn.init, n, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(nn.init, n, fn)
 
 
 class Worker:
@@ -108,7 +124,7 @@ class Worker:
         previous = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            with torch.device("meta"):
+            with torch.device("meta"), _no_init():
                 model = build_model(source.config)
         finally:
             torch.set_default_dtype(previous)
