@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 
 import torch
 from torch import nn
@@ -138,16 +139,21 @@ class Worker:
         return model.eval()
 
     def _prepack_cpu_linears(self, model: nn.Module) -> None:
-        """MKL-packed copies of the CPU fp32 linear weights (layers/linear.py), when RAM holds
-        a second copy with room to spare."""
-        on_cpu = sum(p.numel() * p.element_size() for p in model.parameters()
-                     if p.device.type == "cpu" and p.dtype == torch.float32)
-        if not on_cpu:
+        """MKL-packed weights where they pay (layers/linear.py): the CPU fp32 LM head, on the
+        first batched decode step; every linear, now, with PAGEDLLM_MKL_PACK=all. Only when
+        RAM holds the packed copies with room to spare."""
+        head = model.lm_head if model.lm_head is not None else model.embed_tokens
+        if head.weight.device.type != "cpu" or head.weight.dtype != torch.float32:
             return
-        if on_cpu > memory.free_memory(torch.device("cpu")) // 2:
-            logger.info("CPU linears stay unpacked: too little free RAM for a packed copy")
-            return
-        logger.info("packed %d CPU linear weights for MKL", prepack_model(model))
+        pack_all = os.environ.get("PAGEDLLM_MKL_PACK", "head") == "all"
+        weights = model.parameters() if pack_all else [head.weight]
+        size = sum(p.numel() * p.element_size() for p in weights if p.device.type == "cpu")
+        if 3 * size > memory.free_memory(torch.device("cpu")) // 2:
+            logger.info("CPU linears stay unpacked: too little free RAM for packed copies")
+        elif pack_all:
+            logger.info("packed %d CPU linear weights for MKL", prepack_model(model))
+        else:
+            model.pack_head_when_batched = True
 
     def _place(self, model: nn.Module, args: EngineArgs, device_map: DeviceMap | str) -> DeviceMap:
         """Decide the map ("auto": by free memory), check the weights fit, materialise."""
