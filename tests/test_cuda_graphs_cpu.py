@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from pagedllm.config import ModelConfig
-from pagedllm.layers import attention
-from pagedllm.layers.metadata import PagedAttentionInputMetadata
+from pagedllm.layers import dispatch
+from pagedllm.kernels.metadata import PagedAttentionInputMetadata
 from pagedllm.layers.norms import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.loader import initialize_dummy_weights
 from pagedllm.models.registry import build_model
-from pagedllm.worker.device_map import DeviceMap
+from pagedllm.models.device_map import DeviceMap
 from pagedllm.worker.cuda_graphs import (
     MAX_GRAPH_BATCH_SIZE,
     PAD_SEQ_LEN,
@@ -130,12 +130,12 @@ def make_graphs(model, c, max_num_seqs, max_model_len, block_size=4, spec=None):
 
 @needs_interpreter
 @pytest.mark.parametrize("spec", [None, "cpu:1,cpu:1"])
-def test_padded_static_forward_matches_the_eager_rows_and_cache(monkeypatch, spec):
+def test_padded_static_forward_matches_the_eager_rows_and_cache(spec):
     """What a graph replays, run eagerly through the Triton attention (which, unlike the
     reference, reads lengths from device tensors only): same hidden rows as the plain eager
     forward, same cache, and the padding row writes nothing."""
-    monkeypatch.setattr(attention, "use_triton", lambda q: True)
-    model, c = tiny_llama()
+    with dispatch.force("triton"):  # every layer through Triton, in its interpreter
+        model, c = tiny_llama()
     block_size, num_blocks = 4, 12
     shape = (2, num_blocks, block_size, c.num_key_value_heads, c.head_dim)
     g = torch.Generator().manual_seed(0)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine_args import EngineArgs
 from pagedllm.worker import memory, worker
 from pagedllm.worker.cache_engine import bytes_per_block, zeros
 
@@ -56,8 +56,8 @@ def test_lazily_zeroed_host_tensors():
 
 MEASURE = """
 import json, math, resource, sys, torch
-from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.layers.metadata import PagedAttentionInputMetadata, slots_for
+from pagedllm.engine_args import EngineArgs
+from pagedllm.kernels.metadata import PagedAttentionInputMetadata, slots_for
 from pagedllm.worker import memory, worker
 
 w = worker.Worker(EngineArgs(model="smollm2-135m", load_format="dummy", max_model_len=4096,

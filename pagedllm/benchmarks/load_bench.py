@@ -124,7 +124,7 @@ def format_table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    from pagedllm.entrypoints.cli import Parser, UsageError
+    from pagedllm.entrypoints.usage import EXIT_USAGE, Parser, UsageError
 
     parser = Parser(prog="pagedllm bench load", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct GGUF")
@@ -140,7 +140,7 @@ def main(argv: list[str]) -> int:
                 raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     except SystemExit as exc:  # --help
         return int(exc.code or 0)
     before = os.getloadavg()[0]

@@ -15,7 +15,7 @@ from typing import Any, TypedDict, Union
 
 from tqdm.auto import tqdm
 
-from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine_args import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.chat_utils import apply_chat_template
 from pagedllm.outputs import RequestOutput

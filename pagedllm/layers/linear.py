@@ -7,8 +7,8 @@ weight it packs (more for small matrices), and packing a model takes seconds. Me
 AMD EPYC (AVX2, 2 threads, SmolLM2-135M, 32 decoding sequences), only the LM head gains (4-5%
 more tokens per CPU-second); the other linears do not. So the worker packs the head lazily,
 on the first batched decode step (pack_head_when_batched), and every linear only when
-PAGEDLLM_MKL_PACK=all. Prompt batches keep F.linear. Anywhere else (CUDA, other dtypes, no
-MKL) a Linear is nn.Linear.
+PAGEDLLM_MKL_PACK=all. Prompt batches keep F.linear. Anywhere else (CUDA, other dtypes:
+where the backend of layers/dispatch.py does not pack, or without MKL) a Linear is nn.Linear.
 """
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ import logging
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pagedllm.layers import dispatch
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +33,7 @@ def pack_for_mkl(weight: torch.Tensor) -> torch.Tensor | None:
     The packed layout does not depend on the batch size it was packed for (checked here on
     a few sizes against F.linear), so one copy serves every batch: `linear` passes each call's
     own row count as the op's batch size, which takes its packed path."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not _mkl_ops_available():
+    if not dispatch.choose(weight.device, weight.dtype).packs_linears or not _mkl_ops_available():
         return None
     weight = weight.detach().contiguous()
     packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, 32)

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from pagedllm.config import ModelConfig
-from pagedllm.worker.device_map import DeviceMap
+from pagedllm.models.device_map import DeviceMap
 
 logger = logging.getLogger(__name__)
 

@@ -10,23 +10,24 @@ import os
 import torch
 from torch import nn
 
-from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.config import resolve_dtype
+from pagedllm.engine_args import EngineArgs
 from pagedllm.engine.scheduler import SchedulerOutput
-from pagedllm.layers.metadata import PagedAttentionInputMetadata, slots_for
+from pagedllm.kernels.metadata import PagedAttentionInputMetadata, slots_for
 from pagedllm.loader import initialize_dummy_weights, load_model_source
+from pagedllm.models.device_map import DeviceMap
 from pagedllm.models.registry import build_model
+from pagedllm.layers import dispatch
 from pagedllm.layers.linear import prepack_model
 from pagedllm.worker import memory
 from pagedllm.worker.cache_engine import CacheEngine, bytes_per_block
 from pagedllm.worker.cuda_graphs import graphs_supported
-from pagedllm.worker.device_map import (
-    DeviceMap, PlacementInputs, WeightSizes, check_weights_fit, describe, place_model, plan_auto,
+from pagedllm.worker.placement import (
+    PlacementInputs, WeightSizes, check_weights_fit, describe, place_model, plan_auto,
 )
 from pagedllm.worker.model_runner import ModelRunner, StepResult
 
 logger = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -36,12 +37,6 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {name!r} was asked for but CUDA is not available")
     return device
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[name]
 
 
 @contextlib.contextmanager
@@ -143,7 +138,7 @@ class Worker:
         first batched decode step; every linear, now, with PAGEDLLM_MKL_PACK=all. Only when
         RAM holds the packed copies with room to spare."""
         head = model.lm_head if model.lm_head is not None else model.embed_tokens
-        if head.weight.device.type != "cpu" or head.weight.dtype != torch.float32:
+        if not dispatch.choose(head.weight.device, head.weight.dtype).packs_linears:
             return
         pack_all = os.environ.get("PAGEDLLM_MKL_PACK", "head") == "all"
         weights = model.parameters() if pack_all else [head.weight]
