@@ -64,6 +64,9 @@ w = worker.Worker(EngineArgs(model="smollm2-135m", load_format="dummy", max_mode
                              max_num_batched_tokens=512, max_num_seqs=128,
                              num_gpu_blocks_override=8, swap_space=0.001))
 c, bs = w.model_config, 16
+# The LM head's MKL-packed copy, made on the first batched step, is a weight (made once,
+# checked against free RAM by the worker), not working memory: keep it out of the peaks.
+w.model.pack_head_when_batched = False
 
 def chunk(query_len, seq_len, logit_rows):
     # The run of one prompt chunk reading its context from a cache made beforehand.
