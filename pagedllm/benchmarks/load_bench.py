@@ -51,17 +51,21 @@ print(json.dumps({"import_s": imported - start, "load_s": time.perf_counter() - 
 """
 
 
+ROOT = str(Path(__file__).resolve().parents[2])  # the pagedllm being measured
+
+
 def _env() -> dict[str, str]:
-    root = str(Path(__file__).resolve().parents[2])  # the pagedllm being measured
     path = os.environ.get("PYTHONPATH")
-    return dict(os.environ, PYTHONPATH=root + (os.pathsep + path if path else ""))
+    return dict(os.environ, PYTHONPATH=ROOT + (os.pathsep + path if path else ""))
 
 
 def _run(argv: list[str], timeout: float) -> tuple[float, dict]:
     """Wall seconds of one fresh process, and the JSON it printed last (if any)."""
     start = time.perf_counter()
+    # Run in ROOT: `python -m` and `-c` put the working directory first on sys.path, so
+    # another checkout there would be measured instead.
     result = subprocess.run([sys.executable, *argv], capture_output=True, text=True,
-                            env=_env(), timeout=timeout)
+                            env=_env(), cwd=ROOT, timeout=timeout)
     wall = time.perf_counter() - start
     if result.returncode != 0:
         tail = (result.stderr.strip().splitlines() or ["(no output)"])[-1]
