@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("gguf", "fp8")
 
 
 @dataclass
@@ -15,6 +16,9 @@ class EngineArgs:
     load_format: str = "auto"  # auto | gguf | safetensors | dummy
     served_model_name: str | None = None
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    # gguf: keep a GGUF file's quantized blocks (CPU; the default for GGUF on the CPU when
+    # dtype is auto); fp8: FP8 weights on CUDA. None: plain weights in dtype.
+    quantization: str | None = None
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     device_map: str | None = None  # "cuda:0:20,cpu:10" or "auto"
     seed: int = 0
@@ -38,6 +42,9 @@ class EngineArgs:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, "
+                             f"got {self.quantization!r}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two up to 128, got {self.block_size}")
         if self.num_scheduler_steps is not None and (
@@ -62,6 +69,9 @@ class EngineArgs:
                        choices=["auto", "gguf", "safetensors", "dummy"])
         g.add_argument("--served-model-name", default=None)
         g.add_argument("--dtype", default="auto", choices=list(DTYPES))
+        g.add_argument("--quantization", default=None, choices=list(QUANTIZATIONS),
+                       help="gguf: keep a GGUF file's quantized blocks on the CPU (default for "
+                       "GGUF on the CPU; --dtype float32 dequantizes); fp8: FP8 weights on CUDA")
         g.add_argument("--device", default="auto")
         g.add_argument("--device-map", default=None,
                        help='layers per device, e.g. "cuda:0:20,cpu:10", or "auto"')

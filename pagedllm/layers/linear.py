@@ -76,7 +76,7 @@ def prepack_model(model: nn.Module) -> int:
     """Pack every Linear of the model whose weight is CPU fp32, and the input embedding when
     it doubles as the LM head (tied embeddings); the number of weights packed."""
     count = sum(m.prepack() for m in model.modules() if isinstance(m, Linear))
-    if getattr(model, "lm_head", True) is None:
+    if getattr(model, "lm_head", True) is None and isinstance(model.embed_tokens, nn.Embedding):
         model.packed_tied_head = pack_for_mkl(model.embed_tokens.weight)
         count += model.packed_tied_head is not None
     return count
@@ -84,6 +84,11 @@ def prepack_model(model: nn.Module) -> int:
 
 def compute_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """fp32 logits from the model's LM head, or from its input embedding when tied."""
+    head = model.lm_head if model.lm_head is not None else model.embed_tokens
+    if not isinstance(head, (nn.Linear, nn.Embedding)):  # quantized (gguf_linear, fp8_linear)
+        device = next(head.buffers()).device
+        forward = head if model.lm_head is not None else head.as_lm_head
+        return forward(hidden.to(device)).float()
     if model.lm_head is not None:
         weight, packed = model.lm_head.weight, model.lm_head.packed
     else:

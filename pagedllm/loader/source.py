@@ -1,7 +1,7 @@
 """ModelSource: what a loader hands the engine — a config, a tokenizer and a weight stream."""
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -24,8 +24,12 @@ class ModelSource:
     load_format: str  # "gguf" | "safetensors" | "dummy"
     weight_iterator: WeightIterator | None = field(default=None, repr=False)
 
-    def iter_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        """(Hugging Face tensor name, CPU tensor in dtype). Empty for dummy weights."""
+    def iter_weights(self, dtype: torch.dtype, keep_packed: Collection[str] = frozenset()
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(Hugging Face tensor name, CPU tensor in dtype). Empty for dummy weights.
+        keep_packed (GGUF only): names to hand over in their blocks (a PackedWeight)."""
         if self.weight_iterator is None:
             return iter(())
+        if keep_packed:
+            return self.weight_iterator(dtype, keep_packed=keep_packed)
         return self.weight_iterator(dtype)

@@ -14,6 +14,7 @@ from torch import nn
 from pagedllm.config import ModelConfig
 from pagedllm.layers.activation import silu_and_mul
 from pagedllm.layers.attention import PagedAttention
+from pagedllm.layers.gguf_linear import PackedWeight
 from pagedllm.layers.linear import Linear, compute_logits
 from pagedllm.layers.metadata import PagedAttentionInputMetadata
 from pagedllm.layers.norms import RMSNorm
@@ -176,6 +177,9 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.lm_head is None:
                 continue
             target, shard = self._target(name)
+            if isinstance(tensor, PackedWeight):  # GGUF blocks kept packed
+                self.get_submodule(target.removesuffix(".weight")).load_packed(shard or 0, tensor)
+                continue
             if target not in params:
                 raise ValueError(f"unexpected weight {name!r} for {self.config.architecture}")
             param = params[target]

@@ -2,6 +2,7 @@
 scheduled steps (cache swaps/copies, then the forward and sampling)."""
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 
@@ -11,7 +12,9 @@ from torch import nn
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.scheduler import SchedulerOutput
 from pagedllm.layers.metadata import PagedAttentionInputMetadata, slots_for
+from pagedllm.layers.gguf_linear import unloaded_parts
 from pagedllm.loader import initialize_dummy_weights, load_model_source
+from pagedllm.loader.gguf_loader import packed_tensor_types
 from pagedllm.models.registry import build_model
 from pagedllm.layers.linear import prepack_model
 from pagedllm.worker import memory
@@ -21,6 +24,9 @@ from pagedllm.worker.device_map import (
     DeviceMap, PlacementInputs, WeightSizes, check_weights_fit, describe, place_model, plan_auto,
 )
 from pagedllm.worker.model_runner import ModelRunner, StepResult
+from pagedllm.worker.quantization import (
+    describe_gguf, pack_gguf_modules, quantize_fp8, resolve_quantization,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +61,12 @@ class Worker:
         if explicit_map is not None:
             device = explicit_map.input_device
         self.dtype = resolve_dtype(args.dtype, device)
+        self.quantization = resolve_quantization(args.quantization, source.load_format, device,
+                                                 args.dtype)
+        if self.quantization == "gguf" and explicit_map is not None and any(
+                d.type != "cpu" for d in explicit_map.devices):
+            raise ValueError("--quantization gguf runs on the CPU only; the device map "
+                             f"{spec!r} puts layers elsewhere")
         self.max_model_len = min(args.max_model_len or config.max_position_embeddings,
                                  config.max_position_embeddings)
         # On the CPU, prompt batches of 2048 tokens keep the GEMMs near their best rate.
@@ -67,7 +79,7 @@ class Worker:
         self.model = self._load_model(source, args, explicit_map or (
             "auto" if spec == "auto" else DeviceMap.single(device, num_layers)))
         head = self.model.lm_head if self.model.lm_head is not None else self.model.embed_tokens
-        self.logits_device = head.weight.device
+        self.logits_device = next(itertools.chain(head.parameters(), head.buffers())).device
         eos = list(config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.append(self.tokenizer.eos_token_id)
@@ -112,11 +124,25 @@ class Worker:
                 model = build_model(source.config)
         finally:
             torch.set_default_dtype(previous)
+        keep_packed: set[str] = set()
+        if self.quantization == "gguf":
+            keep_packed = pack_gguf_modules(model, packed_tensor_types(source.path))
         self.device_map = self._place(model, args, device_map)
         if source.load_format == "dummy":
             initialize_dummy_weights(model, args.seed)
         else:
-            model.load_weights(source.iter_weights(self.dtype))
+            model.load_weights(source.iter_weights(self.dtype, keep_packed))
+        missing = unloaded_parts(model)
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:5])}")
+        if keep_packed:
+            logger.info(describe_gguf(model))
+        if self.quantization == "fp8":
+            logger.info("%d linears quantized to FP8 E4M3 (per-channel scales)",
+                        quantize_fp8(model))
+        self.weight_bytes = memory.module_bytes(model)
+        logger.info("weights: %.1f MiB (%s)", self.weight_bytes / (1 << 20),
+                    self.quantization or str(self.dtype).removeprefix("torch."))
         self._prepack_cpu_linears(model)
         return model.eval()
 
