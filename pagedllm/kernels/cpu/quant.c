@@ -268,7 +268,6 @@ void gguf_get_rows_f32(float *out, const uint8_t *w, int64_t qtype, int64_t k,
 /* ------------------------------------------------------------------------- matmul */
 
 #define KC 1024  /* k per chunk of dequantized weight rows */
-#define MAX_ROWS 256
 
 #ifdef QUANT_AVX2
 static inline float hsum(__m256 v) {
@@ -328,7 +327,7 @@ static void tiled_matmul(float *out, int64_t ldo, const float *x, int64_t ldx, i
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (n * k * rows >= 131072)
     for (int64_t g = 0; g < groups; g++) {
         float wbuf[NW * KC] __attribute__((aligned(64)));
-        float part[NW * MAX_ROWS] __attribute__((aligned(64)));
+        float part[NW * 64] __attribute__((aligned(64)));
         const int64_t n0 = g * NW;
         const int nw = n - n0 < NW ? (int)(n - n0) : NW;
         for (int64_t k0 = 0; k0 < k; k0 += KC) {
@@ -541,16 +540,20 @@ static void int_matmul(float *out, int64_t ldo, const float *x, int64_t ldx, int
 }
 #endif
 
-/* out[r * ldo + j] = x[r] . W[j] for rows <= MAX_ROWS activation rows x [rows, ldx] (k
+/* out[r * ldo + j] = x[r] . W[j] for the activation rows x [rows, ldx] (k
  * used) and the n packed rows of W; out may be a column slice of a wider output. */
 void gguf_matmul_f32(float *out, int64_t ldo, const float *x, int64_t ldx, int64_t rows,
                      const uint8_t *w, int64_t qtype, int64_t n, int64_t k,
                      int64_t num_threads) {
 #ifdef QUANT_AVX2
-    if (rows <= INT_MAX_ROWS)
+    if (rows <= INT_MAX_ROWS) {
         int_matmul(out, ldo, x, ldx, rows, w, qtype, n, k, num_threads);
-    else
-        tiled_matmul(out, ldo, x, ldx, rows, w, qtype, n, k, num_threads);
+        return;
+    }
+    /* up to 64 rows at a time: their transposed activations stay in L2 */
+    for (int64_t r0 = 0; r0 < rows; r0 += 64)
+        tiled_matmul(out + r0 * ldo, ldo, x + r0 * ldx, ldx, rows - r0 < 64 ? rows - r0 : 64, w,
+                     qtype, n, k, num_threads);
 #else
     /* scalar: dequantize a chunk of each weight row, dot it with every activation row */
     const int64_t row_bytes = gguf_row_bytes(qtype, k), bs = block_size(qtype);
@@ -573,5 +576,3 @@ void gguf_matmul_f32(float *out, int64_t ldo, const float *x, int64_t ldx, int64
     }
 #endif
 }
-
-int64_t gguf_matmul_max_rows(void) { return MAX_ROWS; }

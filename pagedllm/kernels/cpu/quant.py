@@ -24,7 +24,6 @@ _SIGNATURES = {
     "gguf_dequantize_f32": ([_ptr, _ptr] + [_i64] * 4, None),
     "gguf_get_rows_f32": ([_ptr, _ptr, _i64, _i64, _ptr, _i64, _i64], None),
     "gguf_matmul_f32": ([_ptr, _i64, _ptr, _i64, _i64, _ptr] + [_i64] * 4, None),
-    "gguf_matmul_max_rows": ([], _i64),
 }
 
 
@@ -92,11 +91,6 @@ def get_rows(packed: torch.Tensor, qtype: int, n: int, k: int, ids: torch.Tensor
     return out.reshape(*ids.shape, k)
 
 
-@functools.cache
-def max_matmul_rows() -> int:
-    return int(_kernel("gguf_matmul_max_rows")())
-
-
 def matmul_unchecked(out: torch.Tensor, x: torch.Tensor, weight_ptr: int, qtype: int, n: int,
                      col: int = 0) -> None:
     """The per-call path of a layer whose packed weight was checked once (see matmul):
@@ -108,12 +102,10 @@ def matmul_unchecked(out: torch.Tensor, x: torch.Tensor, weight_ptr: int, qtype:
 
 def matmul(x: torch.Tensor, packed: torch.Tensor, qtype: int, n: int,
            out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [rows, k] fp32 (rows <= max_matmul_rows()) times the packed [n, k] weight,
-    transposed: [rows, n]. `out` may be a column slice of a wider [rows, *] tensor."""
+    """x [rows, k] fp32 times the packed [n, k] weight, transposed: [rows, n]. `out` may be
+    a column slice of a wider [rows, *] tensor."""
     rows, k = x.shape
     _check(packed, qtype, n, k)
-    if rows > max_matmul_rows():
-        raise ValueError(f"the packed matmul takes at most {max_matmul_rows()} rows, got {rows}")
     if x.dtype != torch.float32 or x.stride(-1) != 1:
         raise ValueError("the packed matmul takes fp32 activations with contiguous rows")
     if out is None:
