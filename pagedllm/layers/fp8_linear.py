@@ -1,16 +1,25 @@
 """FP8 weights on CUDA (`--quantization fp8`): half the bytes of bf16 for every decode step.
 
 Each decoder linear's weight is stored in FP8 E4M3 with one fp32 scale per output channel
-(w ~= q * scale[n], scale = max|w[n]| / 448). Activations are quantized per token on the fly
-(one scale per row, the same rule) and the product runs as `torch._scaled_mm` with both
-scales applied to its fp32 accumulators, output in the activations' dtype (bf16): vLLM's
-dynamic FP8 scheme. The LM head stays in the model's dtype.
+(w ~= q * scale[n], scale = max|w[n]| / 448). Two kernels, by batch size:
+  up to 16 rows (decode): kernels/triton_fp8.w8a16_matmul reads the FP8 weight and the bf16
+      activations as they are (weight-only quantization: the bytes are what decode pays for);
+  more rows: the activations are quantized per row on the fly (dynamic scales, the same rule)
+      and torch._scaled_mm multiplies FP8 x FP8 on the tensor cores, both scales applied to
+      its fp32 accumulators, output bf16: vLLM's dynamic FP8 scheme.
+The LM head stays bf16. On the CPU (tests) the second form runs with torch ops.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import nn
 
+# Batches of up to this many rows (at most 16, the kernel's block) take the weight-only
+# kernel; PAGEDLLM_FP8_SMALL_BATCH=0 sends every batch to torch._scaled_mm (to compare the
+# two on a GPU).
+SMALL_BATCH_ROWS = min(int(os.environ.get("PAGEDLLM_FP8_SMALL_BATCH", "16")), 16)
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 _MIN_SCALE = 1e-12  # an all-zero row gets a tiny scale instead of dividing by zero
@@ -51,12 +60,22 @@ class FP8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        xq, xs = quantize_rows(rows)
-        out = torch._scaled_mm(xq, self.qweight.t(), scale_a=xs, scale_b=self.weight_scale,
-                               out_dtype=x.dtype)
+        if not x.is_cuda:
+            out = self._scaled_mm(*quantize_rows(rows), x.dtype)
+        else:
+            from pagedllm.kernels import triton_fp8  # Triton only where it runs
+
+            if rows.shape[0] <= SMALL_BATCH_ROWS:
+                out = triton_fp8.w8a16_matmul(rows, self.qweight, self.weight_scale)
+            else:
+                out = self._scaled_mm(*triton_fp8.quantize_rows(rows), x.dtype)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _scaled_mm(self, xq: torch.Tensor, xs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return torch._scaled_mm(xq, self.qweight.t(), scale_a=xs, scale_b=self.weight_scale,
+                                out_dtype=dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8_e4m3"

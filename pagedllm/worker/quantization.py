@@ -45,9 +45,8 @@ def resolve_quantization(requested: str | None, load_format: str, device: torch.
     if requested == "fp8":
         if device.type != "cuda":
             raise ValueError("--quantization fp8 runs on CUDA only")
-        if dtype not in ("auto", "bfloat16", "float16"):
-            raise ValueError(f"--quantization fp8 takes bfloat16 or float16 activations, "
-                             f"not {dtype}")
+        if dtype not in ("auto", "bfloat16"):
+            raise ValueError(f"--quantization fp8 computes with bfloat16 activations, not {dtype}")
         return "fp8"
     raise ValueError(f"quantization must be one of {', '.join(METHODS)}, got {requested!r}")
 
