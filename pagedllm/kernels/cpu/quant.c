@@ -22,6 +22,7 @@
  * Larger batches (prompts) dequantize whole weights and use BLAS (layers/gguf_linear.py).
  * OpenMP over output rows; AVX2 + FMA where the compiler targets them, else scalar code.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -63,6 +64,17 @@ static inline float fp16_to_fp32(const uint8_t *p) {
     return f;
 #endif
 }
+
+#ifdef QUANT_AVX2
+/* two adjacent fp16 values (a block's scale and min) in one conversion */
+static inline void fp16x2_to_fp32(const uint8_t *p, float *a, float *b) {
+    int32_t bits;
+    memcpy(&bits, p, sizeof bits);
+    const __m128 v = _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
+    *a = _mm_cvtss_f32(v);
+    *b = _mm_cvtss_f32(_mm_movehdup_ps(v));
+}
+#endif
 
 /* ------------------------------------------------------------------------- block shapes */
 
@@ -423,8 +435,13 @@ static inline __attribute__((always_inline)) void int_block(int64_t QT, const ui
                                      acc[r]);
     } else if (QT == Q4_0 || QT == Q4_1) {
         const uint8_t *b = row + j * (QT == Q4_0 ? 18 : 20);
-        const float d = fp16_to_fp32(b);
-        const float off = QT == Q4_0 ? -8.0f * d : fp16_to_fp32(b + 2);
+        float d, off;
+        if (QT == Q4_0) {
+            d = fp16_to_fp32(b);
+            off = -8.0f * d;
+        } else {
+            fp16x2_to_fp32(b, &d, &off);
+        }
         const __m128i bytes = _mm_loadu_si128((const __m128i *)(b + (QT == Q4_0 ? 2 : 4)));
         const __m128i mask = _mm_set1_epi8(0x0f);
         const __m256i w0 = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, mask));
@@ -432,14 +449,17 @@ static inline __attribute__((always_inline)) void int_block(int64_t QT, const ui
         for (int r = 0; r < NR; r++) {
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[r].d[j]), dot_i16(w0, w1, x[r].q + 32 * j),
                                      acc[r]);
-            corr[r] += off * x[r].s[j];
+            corr[r] = fmaf(off, x[r].s[j], corr[r]);
         }
     } else if (QT == Q4_K) {
         const uint8_t *b = row + (j >> 3) * 144;
         const int sub = (int)(j & 7);
         int sc, mn;
         q4_k_scale_min(b + 4, sub, &sc, &mn);
-        const float d = fp16_to_fp32(b) * (float)sc, off = -(fp16_to_fp32(b + 2) * (float)mn);
+        float d, dmin;
+        fp16x2_to_fp32(b, &d, &dmin);
+        d *= (float)sc;
+        const float off = -(dmin * (float)mn);
         const __m256i nib = _mm256_and_si256(
             _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(b + 16 + 32 * (sub >> 1))),
                               4 * (sub & 1)),
@@ -449,7 +469,7 @@ static inline __attribute__((always_inline)) void int_block(int64_t QT, const ui
         for (int r = 0; r < NR; r++) {
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[r].d[j]), dot_i16(w0, w1, x[r].q + 32 * j),
                                      acc[r]);
-            corr[r] += off * x[r].s[j];
+            corr[r] = fmaf(off, x[r].s[j], corr[r]);
         }
     } else { /* Q6_K: 32 values with two scales, one per 16 = one per widened half */
         const uint8_t *b = row + (j >> 3) * 210;
@@ -482,24 +502,25 @@ static inline __attribute__((always_inline)) void int_block(int64_t QT, const ui
 }
 
 /* One weight row against NR quantized activation rows: even and odd blocks go to separate
- * accumulators, so that consecutive blocks' FMAs do not wait for each other. */
+ * accumulators (vector and offset), so that consecutive blocks do not wait for each other. */
 static inline __attribute__((always_inline)) void int_rows(int64_t QT, const uint8_t *row,
                                                            const QuantRow *x, int NR, int64_t k,
                                                            float *out, int64_t ldo) {
     __m256 even[INT_MAX_ROWS], odd[INT_MAX_ROWS];
-    float corr[INT_MAX_ROWS];
+    float corr_even[INT_MAX_ROWS], corr_odd[INT_MAX_ROWS];
     for (int r = 0; r < NR; r++) {
         even[r] = odd[r] = _mm256_setzero_ps();
-        corr[r] = 0.0f;
+        corr_even[r] = corr_odd[r] = 0.0f;
     }
     const int64_t nb = k / 32;
     int64_t j = 0;
     for (; j + 2 <= nb; j += 2) {
-        int_block(QT, row, j, x, NR, even, corr);
-        int_block(QT, row, j + 1, x, NR, odd, corr);
+        int_block(QT, row, j, x, NR, even, corr_even);
+        int_block(QT, row, j + 1, x, NR, odd, corr_odd);
     }
-    if (j < nb) int_block(QT, row, j, x, NR, even, corr);
-    for (int r = 0; r < NR; r++) out[r * ldo] = hsum(_mm256_add_ps(even[r], odd[r])) + corr[r];
+    if (j < nb) int_block(QT, row, j, x, NR, even, corr_even);
+    for (int r = 0; r < NR; r++)
+        out[r * ldo] = hsum(_mm256_add_ps(even[r], odd[r])) + (corr_even[r] + corr_odd[r]);
 }
 
 static void int_matmul(float *out, int64_t ldo, const float *x, int64_t ldx, int64_t rows,
