@@ -35,6 +35,7 @@ class EngineStats:
     num_preemptions: int
     num_gpu_blocks: int
     block_size: int
+    weight_bytes: int = 0  # the model's weights as stored (packed GGUF / FP8 count as such)
 
 
 class LLMEngine:
@@ -391,6 +392,7 @@ class LLMEngine:
             num_preemptions=s.stats.num_preemptions_recompute + s.stats.num_preemptions_swap,
             num_gpu_blocks=self.worker.num_gpu_blocks,
             block_size=self.block_size,
+            weight_bytes=self.worker.weight_bytes,
         )
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
