@@ -23,17 +23,19 @@ logger = logging.getLogger(__name__)
 METHODS = ("gguf", "fp8")
 
 
-def resolve_quantization(requested: str | None, load_format: str, device: torch.device,
-                         dtype: str) -> str | None:
-    """The method to use, or None (plain weights); a clear error for a combination that
-    cannot work."""
-    if requested is None:
-        return None
+def resolve_quantization(requested: str | None, load_format: str,
+                         devices: list[torch.device], dtype: str) -> str | None:
+    """The method to use on these devices (the layers' devices), or None (plain weights); a
+    clear error for a combination that cannot work."""
+    on_cpu = all(d.type == "cpu" for d in devices)
+    if requested is None:  # measured faster than float32 on every CPU workload
+        auto = load_format == "gguf" and on_cpu and dtype == "auto" and quant.available()
+        return "gguf" if auto else None
     if requested == "gguf":
         if load_format != "gguf":
             raise ValueError(f"--quantization gguf keeps a GGUF file's blocks; this model's "
                              f"weights are {load_format}")
-        if device.type != "cpu":
+        if not on_cpu:
             raise ValueError("--quantization gguf runs on the CPU only; for CUDA use "
                              "--quantization fp8 or none")
         if dtype not in ("auto", "float32"):
@@ -43,7 +45,7 @@ def resolve_quantization(requested: str | None, load_format: str, device: torch.
                              "built (no C compiler, or PAGEDLLM_CPU_KERNELS=0)")
         return "gguf"
     if requested == "fp8":
-        if device.type != "cuda":
+        if any(d.type != "cuda" for d in devices):
             raise ValueError("--quantization fp8 runs on CUDA only")
         if dtype not in ("auto", "bfloat16"):
             raise ValueError(f"--quantization fp8 computes with bfloat16 activations, not {dtype}")

@@ -61,12 +61,9 @@ class Worker:
         if explicit_map is not None:
             device = explicit_map.input_device
         self.dtype = resolve_dtype(args.dtype, device)
-        self.quantization = resolve_quantization(args.quantization, source.load_format, device,
-                                                 args.dtype)
-        if self.quantization == "gguf" and explicit_map is not None and any(
-                d.type != "cpu" for d in explicit_map.devices):
-            raise ValueError("--quantization gguf runs on the CPU only; the device map "
-                             f"{spec!r} puts layers elsewhere")
+        self.quantization = resolve_quantization(
+            args.quantization, source.load_format,
+            explicit_map.devices if explicit_map is not None else [device], args.dtype)
         self.max_model_len = min(args.max_model_len or config.max_position_embeddings,
                                  config.max_position_embeddings)
         # On the CPU, prompt batches of 2048 tokens keep the GEMMs near their best rate.
