@@ -6,6 +6,12 @@ from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "bloom")
 
+# --dtype: "auto" is float32 on the CPU and bfloat16 on CUDA (see resolve_dtype).
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
+PREEMPTION_MODES = ("recompute", "swap")
+QUANTIZATIONS = ("gguf", "fp8")  # worker/quantization.py
+
 # Hugging Face `architectures[0]` / `model_type` -> our architecture name.
 HF_ARCHITECTURE_NAMES = {
     "LlamaForCausalLM": "llama",
@@ -124,19 +130,23 @@ def _as_list(value: Any) -> list[int]:
     return list(value) if isinstance(value, (list, tuple)) else [int(value)]
 
 
+def resolve_dtype(name: str, device: Any) -> Any:
+    """The torch dtype a --dtype name stands for on `device` (a torch.device or its name)."""
+    import torch  # here, so that reading the options (`pagedllm --help`) needs no torch
+
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    if name == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
 @dataclass
 class CacheConfig:
+    """What the block manager needs (the memory options are the Worker's: EngineArgs)."""
+
     block_size: int = 16
     enable_prefix_caching: bool = True
-    # CUDA: fraction of the device's memory the engine may use in all.
-    gpu_memory_utilization: float | list[float] = 0.9
-    # CPU: bytes for the KV cache; None means a fraction of free RAM.
-    kv_cache_memory: int | list[int] | None = None
-    # Bytes of host memory for blocks swapped out of the device.
-    swap_space: int = 1 << 30
-    # Overrides profiling (tests, benchmarks).
-    num_gpu_blocks_override: int | None = None
-    num_cpu_blocks_override: int | None = None
 
 
 @dataclass
@@ -148,7 +158,7 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"  # or "swap"
 
     def __post_init__(self) -> None:
-        if self.preemption_mode not in ("recompute", "swap"):
+        if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(
                 f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}"
             )

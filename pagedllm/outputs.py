@@ -1,9 +1,31 @@
-"""What the engine returns: RequestOutput and CompletionOutput (vLLM-compatible)."""
+"""What the engine returns: RequestOutput, CompletionOutput, Logprob and RequestMetrics
+(vLLM-compatible)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedllm.engine.sequence import Logprob, RequestMetrics, SampleLogprobs
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None  # 1 = most likely token
+    decoded_token: str | None = None
+
+
+# Per generated token: the chosen token and the top-k alternatives.
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass
+class RequestMetrics:
+    """When a request arrived, was first scheduled, got its first and last token, finished
+    (time.monotonic())."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
 
 
 @dataclass

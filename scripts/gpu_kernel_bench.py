@@ -39,7 +39,7 @@ from pagedllm.kernels.triton_ops import (  # noqa: E402
     triton_rotary_embedding,
     triton_silu_and_mul,
 )
-from pagedllm.layers.metadata import PagedAttentionInputMetadata  # noqa: E402
+from pagedllm.kernels.metadata import PagedAttentionInputMetadata  # noqa: E402
 
 H200_PEAK_GBPS = 4800.0
 # bf16 on the GPU; --smoke uses fp16 (the interpreter cannot run tl.dot on bf16).

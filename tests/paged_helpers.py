@@ -8,7 +8,7 @@ import random
 import torch
 
 from pagedllm.kernels.reference import write_kv_cache
-from pagedllm.layers.metadata import PagedAttentionInputMetadata
+from pagedllm.kernels.metadata import PagedAttentionInputMetadata
 
 
 class PagedRunner:

@@ -9,7 +9,8 @@ import torch
 
 from pagedllm.benchmarks import workloads
 from pagedllm.benchmarks.scheduler_bench import percentile
-from pagedllm.benchmarks.workloads import BenchUsageError, parse_args
+from pagedllm.benchmarks.workloads import parse_args
+from pagedllm.entrypoints.usage import UsageError
 
 GPU_WORKLOADS = ["nano", "decode-8b", "throughput-8b", "prefix-8b"]
 
@@ -57,7 +58,7 @@ def test_overriding_one_end_of_a_range():
     ([], "name a workload"),
 ])
 def test_bad_options_raise_a_clear_error(argv, message, capsys):
-    with pytest.raises(BenchUsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
         parse_args(argv)
     assert workloads.main(argv) == 2
     assert message in capsys.readouterr().err

@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from pagedllm.engine import block_manager
 from pagedllm.engine.block import BlockAllocator
 from pagedllm.engine.block_manager import AllocStatus, BlockSpaceManager, hash_block_tokens
 from pagedllm.engine.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -184,6 +185,41 @@ def test_block_hashes_chain_over_the_prefix():
     assert x_block.block_hash is not None and y_block.block_hash is not None
     assert x_block.block_hash != y_block.block_hash
     assert len(bm.gpu_allocator.cached_blocks) == 4
+    bm.check_invariants()
+
+
+def test_a_hash_collision_is_a_cache_miss(monkeypatch):
+    """Every block hashes alike: prompts with other tokens never get the cached KV, the same
+    tokens still do."""
+    monkeypatch.setattr(block_manager, "hash_block_tokens", lambda parent, tokens: 7)
+    bm = BlockSpaceManager(BS, 16, 0, enable_caching=True, watermark=0)
+    first = admit(bm, list(range(10)))
+    compute_all(bm, first)
+    assert list(bm.gpu_allocator.cached_blocks) == [7]  # one hash: the first block alone
+    other = make_group([50 + t for t in range(10)])
+    assert bm.can_allocate(other) == AllocStatus.OK
+    bm.allocate(other)
+    assert seq_of(other).num_computed_tokens == 0 and other.num_cached_tokens == 0
+    assert not set(bm.get_block_table(seq_of(other))) & set(bm.get_block_table(first))
+    same = admit(bm, list(range(10)))
+    assert same.num_computed_tokens == 4  # block 0 hits; block 1's hash is block 0's
+    assert bm.get_block_table(same)[0] == bm.get_block_table(first)[0]
+    bm.check_invariants()
+
+
+def test_a_colliding_block_after_another_prefix_is_a_cache_miss(monkeypatch):
+    """Hashes that ignore the prefix: the same block tokens after another prefix collide.
+    The hit must compare the whole prefix, not the block's own tokens only."""
+    monkeypatch.setattr(block_manager, "hash_block_tokens", lambda parent, tokens: hash(tokens))
+    bm = BlockSpaceManager(BS, 16, 0, enable_caching=True)
+    shared_block = [7, 7, 7, 7]
+    x = admit(bm, [1] * 4 + shared_block + [0])
+    compute_all(bm, x)
+    y = admit(bm, [2] * 4 + shared_block + [0])
+    compute_all(bm, y)  # y's second block collides with x's: it stays uncached
+    z = admit(bm, [2] * 4 + shared_block + [5])
+    assert z.num_computed_tokens == 4  # y's first block only, never x's second
+    assert bm.get_block_table(z)[1] not in bm.get_block_table(x)
     bm.check_invariants()
 
 

@@ -1,6 +1,7 @@
 """The `pagedllm` command, run as a subprocess exactly as a user would."""
 from __future__ import annotations
 
+import argparse
 import os
 import socket
 import subprocess
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from pagedllm.engine_args import EngineArgs
 from pagedllm.entrypoints.cli import main
 from pagedllm.sampling_params import SamplingParams
 
@@ -50,6 +52,17 @@ def test_help(capsys):
         assert option in out
     code, out, _ = run_main(capsys, "bench", "serve", "--help")
     assert code == 0 and "--num-clients" in out
+
+
+def test_engine_flags_are_generated_from_engine_args():
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    assert EngineArgs.from_cli_args(parser.parse_args([])) == EngineArgs()  # the same defaults
+    argv = ["--no-disable-log-stats", "--no-enable-prefix-caching", "--enforce-eager",
+            "--max-num-seqs", "8", "--gpu-memory-utilization", "0.5,0.7", "--dtype", "float16",
+            "--swap-space", "0.5"]
+    assert EngineArgs.from_cli_args(parser.parse_args(argv)) == EngineArgs(
+        disable_log_stats=False, enable_prefix_caching=False, enforce_eager=True, max_num_seqs=8,
+        gpu_memory_utilization="0.5,0.7", dtype="float16", swap_space=0.5)
 
 
 @pytest.mark.parametrize("argv,fragment", [

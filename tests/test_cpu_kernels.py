@@ -13,6 +13,7 @@ from pagedllm.config import ModelConfig
 from pagedllm.kernels import cpu as cpu_kernels
 from pagedllm.kernels import reference
 from pagedllm.kernels.cpu import build
+from pagedllm.layers import dispatch
 from pagedllm.layers.linear import Linear, linear, pack_for_mkl, prepack_model
 from pagedllm.layers.norms import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
@@ -25,9 +26,10 @@ pytestmark = pytest.mark.skipif(build.load_library() is None,
 
 
 @pytest.fixture
-def torch_path(monkeypatch):
+def torch_path():
     """Route every layer to the pure-torch code, as on a machine without the library."""
-    monkeypatch.setattr(cpu_kernels, "applies", lambda *tensors: False)
+    with dispatch.force("torch"):
+        yield
 
 
 def fused_qkv(tokens: int, heads: int, kv_heads: int, d: int, seed: int = 0):
@@ -151,7 +153,7 @@ def test_rotary_rejects_heads_that_are_not_contiguous():
 # ----------------------------------------------------------------------------- a whole model
 
 
-def test_model_logits_match_the_pure_torch_path(monkeypatch):
+def test_model_logits_match_the_pure_torch_path():
     """Prefill then decode steps of a small Llama (head_dim 64, tied embeddings): the C
     kernels and packed linears against plain torch."""
     config = ModelConfig(architecture="llama", vocab_size=300, hidden_size=256,
@@ -173,9 +175,10 @@ def test_model_logits_match_the_pure_torch_path(monkeypatch):
             next_ids = logits[-1].argmax(-1)
         return logits
 
-    with monkeypatch.context() as patch:
-        patch.setattr(cpu_kernels, "applies", lambda *tensors: False)
-        plain = run()
+    with dispatch.force("torch"):
+        dispatch.select(model)
+    plain = run()
+    dispatch.select(model)  # back to the CPU backend: the C kernels
     assert prepack_model(model) == 2 * 4 + 1  # 4 linears per layer, and the tied head
     fused = run()
     for want, got in zip(plain, fused):

@@ -14,12 +14,13 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import ModelConfig
-from pagedllm.layers.metadata import PagedAttentionInputMetadata
+from pagedllm.kernels.metadata import PagedAttentionInputMetadata
+from pagedllm.models.device_map import DeviceMap
 from pagedllm.models.registry import build_model
 from pagedllm.worker import memory
 from pagedllm.worker.cache_engine import CacheEngine, bytes_per_block
-from pagedllm.worker.device_map import (
-    DeviceMap, PlacementInputs, WeightSizes, check_weights_fit, describe, plan_auto,
+from pagedllm.worker.placement import (
+    PlacementInputs, WeightSizes, check_weights_fit, describe, plan_auto,
 )
 from tests.paged_helpers import PagedRunner
 from tests.prompts import OPENINGS, QUESTIONS, SHARED_PREFIX

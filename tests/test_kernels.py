@@ -28,7 +28,7 @@ from pagedllm.kernels.triton_ops import (  # noqa: E402
     triton_rotary_embedding,
     triton_silu_and_mul,
 )
-from pagedllm.layers.metadata import PagedAttentionInputMetadata  # noqa: E402
+from pagedllm.kernels.metadata import PagedAttentionInputMetadata  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"

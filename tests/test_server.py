@@ -7,6 +7,7 @@ import json
 import os
 import queue
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -363,12 +364,20 @@ ERROR_CASES = [
      "The model `nope` does not exist.", "model"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "gpt-9"},
      404, "The model `gpt-9` does not exist.", "model"),
+    # Ranges are in the schema: pydantic names the field and the bound.
     ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400,
-     "temperature must be non-negative", None),
-    ("/v1/completions", {"prompt": "hi", "top_p": 2}, 400, "top_p must be in (0, 1]", None),
-    ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n must be at least 1", None),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 30}, 400, "logprobs must be in [0, 20]",
-     None),
+     "invalid value for temperature: Input should be greater than or equal to 0", "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 2}, 400,
+     "invalid value for top_p: Input should be less than or equal to 1", "top_p"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, 400,
+     "invalid value for n: Input should be greater than or equal to 1", "n"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 30}, 400,
+     "invalid value for logprobs: Input should be less than or equal to 20", "logprobs"),
+    # What the schema cannot say, SamplingParams says.
+    ("/v1/completions", {"prompt": "hi", "n": 2, "best_of": 1}, 400,
+     "best_of must be greater than or equal to n", None),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "min_tokens": 3}, 400,
+     "min_tokens must be less than or equal to max_tokens", None),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"999999": 1}}, 400,
      "out of range for a vocabulary", None),
     ("/v1/completions", {"prompt": "hi", "suffix": "!"}, 400, "suffix is not supported",
@@ -385,8 +394,40 @@ ERROR_CASES = [
      "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400,
      "missing required field: messages.0.role", "messages.0.role"),
-    ("/tokenize", {}, 400, "exactly one of prompt or messages", "prompt"),
-    ("/detokenize", {"tokens": [-1]}, 400, "token id -1 is out of range", "tokens"),
+    ("/detokenize", {"tokens": [999_999]}, 400, "token id 999999 is out of range", "tokens"),
+    # Requests the schema allowed and the server refused, now refused by the schema...
+    ("/v1/completions", {"prompt": ""}, 400,
+     "invalid value for prompt: String should have at least 1 character", "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": ""}]}, 400,
+     "invalid value for messages.0.role: Input tag '' found using 'role' does not match any "
+     "of the expected tags: 'system', 'developer', 'user', 'assistant', 'tool'",
+     "messages.0.role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400,
+     "missing required field: messages.0.content", "messages.0.content"),
+    ("/tokenize", {}, 400, "missing required field: prompt", "prompt"),
+    # ...and requests the schema refused and the server took, now refused: no coercion.
+    ("/detokenize", {"tokens": [False]}, 400,
+     "invalid value for tokens.0: Input should be a valid integer", "tokens.0"),
+    ("/detokenize", {"tokens": [-1]}, 400,
+     "invalid value for tokens.0: Input should be greater than or equal to 0", "tokens.0"),
+    ("/v1/completions", {"prompt": [[False]]}, 400,
+     "invalid value for prompt.0.0: Input should be a valid integer", "prompt.0.0"),
+    ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400,
+     "invalid value for stream: Input should be a valid boolean", "stream"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     400, "invalid value for messages.0.content.0.type: Input should be 'text'",
+     "messages.0.content.0.type"),
+    # A lone surrogate (JSON can escape one, no UTF-8 text holds one) is a 400, not a 500.
+    ("/v1/completions", r'{"prompt": "abc\ud800def", "max_tokens": 2}', 400,
+     "prompt contains a lone surrogate, which is not valid Unicode", "prompt"),
+    ("/v1/completions", r'{"prompt": ["ok", "abc\ud800def"], "max_tokens": 2, "stream": true}',
+     400, "prompt.1 contains a lone surrogate", "prompt.1"),
+    ("/tokenize", r'{"prompt": "abc\udfffdef"}', 400, "prompt contains a lone surrogate",
+     "prompt"),
+    ("/v1/chat/completions", r'{"messages": [{"role": "user", "content": "\ud800"}]}', 400,
+     "messages.0.content contains a lone surrogate", "messages.0.content"),
+    ("/v1/completions", r'{"prompt": "hi", "model": "\ud800"}', 400,
+     "model contains a lone surrogate", "model"),
 ]
 
 
@@ -410,7 +451,7 @@ def test_error_responses(server, client, model, path, body, status, message, par
 
 
 def test_openai_client_sees_errors(client, model):
-    with pytest.raises(openai.BadRequestError, match="temperature must be non-negative"):
+    with pytest.raises(openai.BadRequestError, match="invalid value for temperature"):
         client.completions.create(model=model, prompt="hi", temperature=-0.5)
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.chat.completions.create(model="missing", messages=[{"role": "user",
@@ -418,6 +459,204 @@ def test_openai_client_sees_errors(client, model):
     with pytest.raises(openai.BadRequestError, match="the cache holds only"):
         client.completions.create(model=model, prompt=FITS_CONTEXT_NOT_CACHE, max_tokens=8,
                                   stream=True)
+
+
+# ------------------------------------------------------------------ hardening
+
+
+def test_request_body_over_the_limit_is_answered_413_unread(server, client, model):
+    pad = "x" * (9 << 20)  # over the default --max-request-bytes of 8 MiB
+    body = json.dumps({"prompt": "hi", "max_tokens": 1, "pad": pad}).encode()
+
+    def chunked():  # no Content-Length: the server must count what arrives
+        for i in range(0, len(body), 1 << 16):
+            yield body[i:i + (1 << 16)]
+
+    for content in (body, chunked()):
+        resp = httpx.post(server.url + "/v1/completions", content=content, timeout=60,
+                          headers={"Content-Type": "application/json"})
+        assert resp.status_code == 413
+        assert resp.json() == {"error": {
+            "message": f"the request body is larger than this server's limit of {8 << 20} "
+                       "bytes (`pagedllm serve --max-request-bytes`)",
+            "type": "invalid_request_error", "param": None, "code": "request_too_large"}}
+    assert client.completions.create(model=model, prompt="Hi", max_tokens=1).choices
+
+
+class Stream:
+    """A long greedy completion streamed in a thread, with the arrival time of each chunk."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.arrivals, self.stop = url, [], threading.Event()
+        self.error: Exception | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        body = {"prompt": "Once upon a time", "max_tokens": 2000, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        try:
+            with httpx.stream("POST", self.url + "/v1/completions", json=body,
+                              timeout=120) as resp:
+                resp.raise_for_status()
+                for line in resp.iter_lines():
+                    if line.startswith("data: {"):
+                        self.arrivals.append(time.perf_counter())
+                    if self.stop.is_set():
+                        return
+        except Exception as exc:
+            self.error = exc
+
+    def wait_tokens(self, n: int) -> None:
+        deadline = time.monotonic() + 120
+        while len(self.arrivals) < n and time.monotonic() < deadline and self.thread.is_alive():
+            time.sleep(0.01)
+        assert len(self.arrivals) >= n, self.error
+
+    def gaps(self, start: float, end: float) -> list[float]:
+        """Gaps between chunks that overlap [start, end]."""
+        a = self.arrivals
+        return [b - p for p, b in zip(a, a[1:]) if b > start and p < end]
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=60)
+
+
+def longest_token(tokenizer) -> int:
+    """No token is longer: a text of more than MAX_MODEL_LEN times this cannot fit."""
+    return max(len(t) for t in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))))
+
+
+def _stalls(stream: Stream, requests) -> list[tuple[httpx.Response, float]]:
+    """Send requests one by one while the stream runs; each with the stream's longest gap
+    while it was in flight."""
+    stream.wait_tokens(10)
+    results = []
+    for send in requests:
+        start = time.perf_counter()
+        resp = send()
+        end = time.perf_counter()
+        stream.wait_tokens(len(stream.arrivals) + 3)
+        results.append((resp, max(stream.gaps(start, end))))
+    return results
+
+
+def test_a_4mb_prompt_is_refused_before_tokenizing_and_stalls_no_stream(server, tokenizer):
+    """Issue 13: tokenizing a 4 MB prompt on the engine's thread stalled streams for 6-10 s."""
+    text = "a " * 2_000_000
+    longest = longest_token(tokenizer)
+    stream = Stream(server.url)
+    try:
+        stream.wait_tokens(10)
+        before = stream.gaps(0, time.perf_counter())
+        results = _stalls(stream, [
+            lambda: httpx.post(server.url + "/v1/completions", timeout=120,
+                               json={"prompt": text, "max_tokens": 2}),
+            lambda: httpx.post(server.url + "/v1/chat/completions", timeout=120,
+                               json={"messages": [{"role": "user", "content": text}]}),
+            lambda: httpx.post(server.url + "/tokenize", json={"prompt": text}, timeout=120),
+        ])
+    finally:
+        stream.close()
+    bound = MAX_MODEL_LEN * longest
+    for (resp, _), param in zip(results, ["prompt", "messages", "prompt"]):
+        assert resp.status_code == 400
+        error = resp.json()["error"]
+        assert error["param"] == param
+        assert re.fullmatch(
+            rf"the prompt has \d+ characters, but the model's context is {MAX_MODEL_LEN} tokens "
+            rf"and no token is longer than {longest} characters \(at most {bound} characters\)",
+            error["message"]), error["message"]
+    typical = statistics.median(before)
+    assert max(stall for _, stall in results) < max(0.5, 5 * typical), (results, typical)
+
+
+def test_tokenizing_runs_off_the_engine_thread(server, tokenizer):
+    """A text just under the character bound takes a second to tokenize: streams go on."""
+    text = "a " * (MAX_MODEL_LEN * longest_token(tokenizer) // 2 - 1)
+    stream = Stream(server.url)
+    try:
+        stream.wait_tokens(10)
+        before = stream.gaps(0, time.perf_counter())
+        results = _stalls(stream, [
+            lambda: httpx.post(server.url + "/tokenize", json={"prompt": text}, timeout=120)
+        ] * 2)
+    finally:
+        stream.close()
+    for resp, _ in results:
+        assert resp.status_code == 200 and resp.json()["count"] == len(text) // 2 + 1
+    typical = statistics.median(before)
+    assert max(stall for _, stall in results) < max(0.5, 5 * typical), (results, typical)
+
+
+def test_tool_call_history_is_accepted_and_rendered_as_documented(server, client, model,
+                                                                  default_llm):
+    """An assistant turn with `content: null` + tool_calls, then the tool's result; this
+    model's template knows no tools, so they are rendered as Hermes text (README)."""
+    messages = [
+        {"role": "developer", "content": "You can call tools."},
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+            {"id": "call_2", "type": "function",
+             "function": {"name": "get_time", "arguments": ""}},
+        ]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+        {"role": "tool", "tool_call_id": "call_2", "content": [{"type": "text", "text": "noon"}]},
+    ]
+    resp = client.chat.completions.create(model=model, messages=messages, max_tokens=4,
+                                          temperature=0)
+    assert resp.choices[0].finish_reason in ("stop", "length")
+    rendered = [
+        {"role": "system", "content": "You can call tools."},
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content":
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'},
+        {"role": "user", "content": "<tool_response>\n18 C, sunny\n</tool_response>\n"
+                                    "<tool_response>\nnoon\n</tool_response>"},
+    ]
+    assert resp.usage.prompt_tokens == len(chat_prompt_ids(default_llm, rendered))
+    tokens = httpx.post(server.url + "/tokenize", json={"messages": messages}).json()["tokens"]
+    assert tokens == chat_prompt_ids(default_llm, rendered)
+
+
+def test_unknown_fields_are_logged_once_per_name(server, client, model):
+    for extra in ({"frobnicate": 1}, {"frobnicate": 2, "zorkmid": "x", "quux": None}):
+        client.completions.create(model=model, prompt="Hi", max_tokens=1, extra_body=extra)
+    log = server.read_stderr()
+    assert log.count("CompletionRequest: ignoring the unknown field(s) 'frobnicate' "
+                     "(logged once per field)") == 1
+    assert log.count("CompletionRequest: ignoring the unknown field(s) 'quux', 'zorkmid' "
+                     "(logged once per field)") == 1
+    assert log.count("frobnicate") == 1
+
+
+def test_openapi_schema_documents_what_the_server_answers(server):
+    schema = httpx.get(server.url + "/openapi.json").json()
+    paths = schema["paths"]
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+        responses = paths[path]["post"]["responses"]
+        assert "422" not in responses
+        for code in ("400", "404", "413"):  # no --api-key here: no 401
+            assert responses[code]["content"]["application/json"]["schema"] == {
+                "$ref": "#/components/schemas/ErrorResponse"}
+        assert "401" not in responses
+    assert "HTTPValidationError" not in schema["components"]["schemas"]
+    assert set(paths["/v1/completions"]["post"]["responses"]["200"]["content"]) == {
+        "application/json", "text/event-stream"}
+    assert list(paths["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
+
+    health = httpx.get(server.url + "/health")
+    assert health.json() == {"status": "ok"}
+    assert health.headers["content-type"] == "application/json"
+    metrics = httpx.get(server.url + "/metrics")
+    assert metrics.headers["content-type"].startswith("text/plain")
+    wrong = httpx.get(server.url + "/v1/completions")
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
+    assert wrong.json()["error"]["message"] == "Method Not Allowed"
 
 
 # ----------------------------------------------------------- concurrency, metrics

@@ -13,9 +13,8 @@ import httpx
 import pytest
 
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
-from pagedllm.engine.sequence import RequestMetrics
 from pagedllm.entrypoints.openai.api_server import build_app
-from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -105,6 +104,22 @@ def test_generate_streams_every_output_then_sleeps():
         await aengine.shutdown()
 
     run(main())
+
+
+@pytest.mark.parametrize("log_stats", [False, True])
+def test_stats_are_logged_only_when_asked(log_stats, caplog):
+    async def main():
+        aengine = AsyncLLMEngine(ScriptedEngine(), log_stats=log_stats)
+        with caplog.at_level("INFO", logger="pagedllm.engine.async_engine"):
+            outs = [o async for o in aengine.generate([1], SamplingParams(max_tokens=3), "a")]
+        await aengine.shutdown()
+        return outs
+
+    assert len(run(main())) == 3
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine:")]
+    # Three steps well within one interval: one line (the first step), or none.
+    assert lines == (["engine: 1 running, 0 waiting, 0 swapped requests; KV cache 0.0% used; "
+                      "prefix cache hit rate 0.0%; 0 preemptions"] if log_stats else [])
 
 
 def test_concurrent_requests_get_their_own_outputs():
@@ -222,3 +237,17 @@ def test_app_returns_500_in_openai_shape_and_recovers():
         await aengine.shutdown()
 
     run(main())
+
+
+def test_unknown_field_names_are_remembered_up_to_a_bound(caplog):
+    """Clients choose the names: one log line per request, and a bounded memory of them."""
+    from pagedllm.entrypoints.openai import protocol
+
+    body = {"prompt": [1], **{f"x{i}": i for i in range(3 * protocol.MAX_WARNED_FIELDS)}}
+    with caplog.at_level("WARNING", logger=protocol.__name__):
+        for _ in range(3):
+            protocol.CompletionRequest.model_validate(body)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith("CompletionRequest: ignoring the unknown field(s) 'x0', 'x1', ")
+    assert line.endswith(" ... (logged once per field)")
+    assert len(protocol._warned_fields) <= protocol.MAX_WARNED_FIELDS

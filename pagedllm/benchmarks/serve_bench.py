@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from pagedllm.entrypoints.usage import Parser, UsageError
+
 PROMPTS = [
     "Explain what a hash table is.",
     "Write a short poem about the sea.",
@@ -164,8 +166,6 @@ def start_server(serve_args: list[str], timeout: float = 600) -> tuple[subproces
 
 
 def main(argv: list[str]) -> int:
-    from pagedllm.entrypoints.cli import Parser, UsageError
-
     parser = Parser(prog="pagedllm bench serve",
                     description="Concurrent streaming clients against the OpenAI-compatible "
                     "server. Options not listed here go to `pagedllm serve` when this "

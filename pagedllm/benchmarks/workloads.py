@@ -24,15 +24,15 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.benchmarks import cpu_targets, peers
 from pagedllm.benchmarks.scheduler_bench import run_scheduler_bench
-
-EXIT_USAGE = 2
+from pagedllm.config import DTYPES, LOAD_FORMATS, QUANTIZATIONS, resolve_dtype
+from pagedllm.entrypoints.usage import EXIT_USAGE, Parser, UsageError
 
 # Real text for the `cpu` workload: a chat model sees text, not random ids. Prompts are
 # windows of the tokenized passages at seeded offsets, so each has an exact length.
@@ -62,15 +62,6 @@ PASSAGES = [
     "its molecules in an open hexagonal lattice, which takes up more room than the liquid. "
     "Ice is therefore less dense than water, and lakes freeze from the top down.",
 ]
-
-
-class BenchUsageError(ValueError):
-    """A bad option: main prints `error: <message>` and returns 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise BenchUsageError(f"{message} (see `{self.prog} --help`)")
 
 
 @dataclass(frozen=True)
@@ -108,7 +99,7 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in [
 
 def build_parser(workload: Workload) -> argparse.ArgumentParser:
     w = workload
-    p = _Parser(prog=f"pagedllm bench {w.name}", description=w.description)
+    p = Parser(prog=f"pagedllm bench {w.name}", description=w.description)
     p.add_argument("--num-requests", type=int, default=w.num_requests,
                    help=f"requests (scheduler: running sequences) (default {w.num_requests})")
     p.add_argument("--min-input-len", type=int, default=None,
@@ -136,9 +127,9 @@ def build_parser(workload: Workload) -> argparse.ArgumentParser:
     peer.add_argument("--no-peer", dest="peer", action="store_false")
     p.add_argument("--model", default=w.model, help=f"default: {w.model or 'SmolLM2-135M GGUF'}")
     p.add_argument("--load-format", default=w.load_format,
-                   choices=["auto", "gguf", "safetensors", "dummy"])
-    p.add_argument("--dtype", default=w.dtype, choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--quantization", default=None, choices=["gguf", "fp8"],
+                   choices=LOAD_FORMATS)
+    p.add_argument("--dtype", default=w.dtype, choices=DTYPES)
+    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                    help="gguf: a GGUF's blocks kept packed (the CPU's default for GGUF files); "
                    "fp8: FP8 weights on CUDA")
     p.add_argument("--device", default="cuda" if w.needs_cuda else "cpu")
@@ -178,7 +169,7 @@ def _resolve_range(name: str, lo: int | None, hi: int | None, default: tuple[int
     """An override of one end moves the other end only when that one was not given."""
     for end, value in (("min", lo), ("max", hi)):
         if value is not None and value < 1:
-            raise BenchUsageError(f"--{end}-{name} must be at least 1, got {value}")
+            raise UsageError(f"--{end}-{name} must be at least 1, got {value}")
     low = default[0] if lo is None else lo
     high = default[1] if hi is None else hi
     if lo is None:
@@ -186,17 +177,17 @@ def _resolve_range(name: str, lo: int | None, hi: int | None, default: tuple[int
     if hi is None:
         high = max(high, low)
     if low > high:
-        raise BenchUsageError(f"--min-{name} ({low}) is above --max-{name} ({high})")
+        raise UsageError(f"--min-{name} ({low}) is above --max-{name} ({high})")
     return low, high
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """`[workload, *options]` -> options with `workload`, `input_len` and `output_len` set."""
     if not argv or argv[0].startswith("-"):
-        raise BenchUsageError(f"name a workload: {', '.join(WORKLOADS)}")
+        raise UsageError(f"name a workload: {', '.join(WORKLOADS)}")
     workload = WORKLOADS.get(argv[0])
     if workload is None:
-        raise BenchUsageError(
+        raise UsageError(
             f"unknown benchmark workload {argv[0]!r}; choose from: serve, {', '.join(WORKLOADS)}"
         )
     args = build_parser(workload).parse_args(argv[1:])
@@ -206,15 +197,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.output_len = _resolve_range("tokens", args.min_tokens, args.max_tokens,
                                      workload.output_len)
     if args.num_requests < 1:
-        raise BenchUsageError(f"--num-requests must be at least 1, got {args.num_requests}")
+        raise UsageError(f"--num-requests must be at least 1, got {args.num_requests}")
     for name in ("num_steps", "prefix_len", "peer_max_tokens", "repeats", "target_tokens",
                  "target_streams", "prefill_len"):
         value = getattr(args, name, None)
         if value is not None and value < 1:
-            raise BenchUsageError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     device = getattr(args, "device", "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise BenchUsageError(
+        raise UsageError(
             f"workload {workload.name!r} runs on CUDA, which is not available here; to try it "
             "on the CPU pass --device cpu and a small size, e.g. --model smollm2-135m "
             "--num-requests 2 --max-tokens 4"
@@ -342,12 +333,6 @@ def _ratio(a: RunResult | dict, b: RunResult | dict) -> float | None:
     return a.output_tokens_per_s / b.output_tokens_per_s
 
 
-def _dtype(name: str, device: str) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    return getattr(torch, name)
-
-
 THROUGHPUT_COLUMNS = [
     ("name", "run", "{}"), ("num_requests", "requests", "{:d}"),
     ("input_tokens", "input tok", "{:d}"), ("output_tokens", "output tok", "{:d}"),
@@ -363,7 +348,7 @@ def _continuous_batching_peer(args: argparse.Namespace, prompts: list[list[int]]
     """transformers' continuous batching on the same prompts, loaded only when it runs."""
     def peer() -> peers.PeerRun:
         model = peers.load_peer_model(args.model, args.load_format,
-                                      _dtype(args.dtype, args.device), args.device,
+                                      resolve_dtype(args.dtype, args.device), args.device,
                                       attn_implementation="paged|sdpa")
         try:
             return peers.hf_generate_batch(model, prompts, max_new_tokens)
@@ -391,7 +376,7 @@ def bench_cpu(args: argparse.Namespace) -> Report:
     def peer(prompts: list[list[int]]) -> peers.PeerRun:
         if not peer_model:
             peer_model.append(peers.load_peer_model(
-                args.model, args.load_format, _dtype(args.dtype, args.device), args.device))
+                args.model, args.load_format, resolve_dtype(args.dtype, args.device), args.device))
         return peers.hf_generate(peer_model[0], prompts, max_tokens)
 
     runs: list[RunResult | dict] = []
@@ -618,7 +603,7 @@ def bench_prefix(args: argparse.Namespace) -> Report:
 
 def bench_scheduler(args: argparse.Namespace) -> Report:
     if args.input_len[0] != args.input_len[1]:
-        raise BenchUsageError("the scheduler workload takes one prompt length: "
+        raise UsageError("the scheduler workload takes one prompt length: "
                               "give --min-input-len and --max-input-len the same value")
     result = run_scheduler_bench(
         num_seqs=args.num_requests, prompt_len=args.input_len[0], num_steps=args.num_steps,
@@ -720,7 +705,7 @@ def main(argv: list[str]) -> int:
     try:
         args = parse_args(list(argv))
         report = RUNNERS[args.workload](args)
-    except BenchUsageError as exc:
+    except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except SystemExit as exc:  # --help

@@ -17,12 +17,15 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from pagedllm.outputs import RequestOutput
 
 if TYPE_CHECKING:
-    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.engine_args import EngineArgs
     from pagedllm.engine.llm_engine import EngineStats, LLMEngine
     from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+
+# With log_stats, the engine's load is logged at most this often (seconds), while it works.
+STATS_LOG_INTERVAL = 10.0
 
 
 class EngineDeadError(RuntimeError):
@@ -74,8 +77,11 @@ class RequestStream:
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, observers: list[OutputObserver] | None = None) -> None:
+    def __init__(self, engine: LLMEngine, observers: list[OutputObserver] | None = None,
+                 log_stats: bool = False) -> None:
         self.engine = engine
+        self.log_stats = log_stats  # EngineArgs.disable_log_stats turned around
+        self._next_stats_log = 0.0
         self.observers: list[OutputObserver] = list(observers or [])
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-engine")
         self._streams: dict[str, RequestStream] = {}
@@ -86,7 +92,7 @@ class AsyncLLMEngine:
     def from_engine_args(cls, args: EngineArgs) -> "AsyncLLMEngine":
         from pagedllm.engine.llm_engine import LLMEngine
 
-        return cls(LLMEngine.from_engine_args(args))
+        return cls(LLMEngine.from_engine_args(args), log_stats=not args.disable_log_stats)
 
     # What the server reads from the engine.
     @property
@@ -191,6 +197,15 @@ class AsyncLLMEngine:
 
     def _step(self) -> tuple[list[RequestOutput], bool]:
         outputs = self.engine.step()
+        if self.log_stats and time.monotonic() >= self._next_stats_log:
+            self._next_stats_log = time.monotonic() + STATS_LOG_INTERVAL
+            s = self.engine.get_stats()
+            logger.info(
+                "engine: %d running, %d waiting, %d swapped requests; KV cache %.1f%% used; "
+                "prefix cache hit rate %.1f%%; %d preemptions", s.num_running, s.num_waiting,
+                s.num_swapped, 100 * s.kv_cache_usage, 100 * s.prefix_cache_hit_rate,
+                s.num_preemptions,
+            )
         return outputs, self.engine.has_unfinished_requests()
 
     async def _run_loop(self) -> None:

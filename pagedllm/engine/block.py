@@ -2,12 +2,15 @@
 
 Every operation is O(1): free blocks sit in a deque, cached blocks in a dict keyed by their
 content hash, and freed-but-cached blocks in an LRU evictor (an OrderedDict, oldest first).
+A cached block also keeps its content (the token ids of its whole prefix, see
+block_manager.BlockTokens): a lookup by content (`lookup`) is a hit only when those tokens are
+equal, so two prompts whose hashes collide never share KV.
 """
 from __future__ import annotations
 
-import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(eq=False)
@@ -19,8 +22,8 @@ class PhysicalTokenBlock:
     ref_count: int = 0
     # Chained hash of the tokens this block holds; set only once its K/V are computed.
     block_hash: int | None = None
-    num_hashed_tokens: int = 0
-    last_accessed: float = 0.0
+    # What the hash stands for (a BlockTokens): compared on every lookup by content.
+    content: Any = None
 
     def __repr__(self) -> str:
         return (
@@ -49,9 +52,7 @@ class BlockAllocator:
         self.num_cache_queries = 0
         self.num_cache_hits = 0
 
-    def allocate(
-        self, block_hash: int | None = None, num_hashed_tokens: int = 0
-    ) -> PhysicalTokenBlock:
+    def allocate(self, block_hash: int | None = None, content: Any = None) -> PhysicalTokenBlock:
         """A fresh block (ref_count 1), registered under `block_hash` if one is given."""
         if block_hash is not None and block_hash in self.cached_blocks:
             raise ValueError(f"block hash {block_hash} is already cached; use allocate_cached")
@@ -60,14 +61,12 @@ class BlockAllocator:
         elif self.evictor:
             _, block = self.evictor.popitem(last=False)
             del self.cached_blocks[block.block_hash]
-            block.block_hash = None
-            block.num_hashed_tokens = 0
+            block.block_hash = block.content = None
         else:
             raise ValueError(f"out of {self.device} KV-cache blocks (all {self.num_blocks} in use)")
         block.ref_count = 1
-        block.last_accessed = time.monotonic()
         if block_hash is not None:
-            self.register(block, block_hash, num_hashed_tokens)
+            self.register(block, block_hash, content)
         return block
 
     def allocate_cached(self, block_hash: int) -> PhysicalTokenBlock:
@@ -78,7 +77,6 @@ class BlockAllocator:
         if block.ref_count == 0:
             del self.evictor[block.block_number]
         block.ref_count += 1
-        block.last_accessed = time.monotonic()
         return block
 
     def free(self, block: PhysicalTokenBlock) -> None:
@@ -92,15 +90,12 @@ class BlockAllocator:
         block.ref_count -= 1
         if block.ref_count > 0:
             return
-        block.last_accessed = time.monotonic()
         if block.block_hash is not None:
             self.evictor[block.block_number] = block
         else:
             self.free_blocks.append(block)
 
-    def register(
-        self, block: PhysicalTokenBlock, block_hash: int, num_hashed_tokens: int = 0
-    ) -> None:
+    def register(self, block: PhysicalTokenBlock, block_hash: int, content: Any = None) -> None:
         """Make a computed, full block findable by its hash."""
         if not self.enable_caching:
             return
@@ -109,7 +104,7 @@ class BlockAllocator:
         if block_hash in self.cached_blocks:
             raise ValueError(f"block hash {block_hash} is already cached")
         block.block_hash = block_hash
-        block.num_hashed_tokens = num_hashed_tokens
+        block.content = content
         self.cached_blocks[block_hash] = block
 
     def contains_hash(self, block_hash: int) -> bool:
@@ -117,6 +112,14 @@ class BlockAllocator:
 
     def get_cached_block(self, block_hash: int) -> PhysicalTokenBlock | None:
         return self.cached_blocks.get(block_hash)
+
+    def lookup(self, content: Any) -> PhysicalTokenBlock | None:
+        """The cached block holding exactly `content` (a BlockTokens); None on a miss,
+        including a block whose hash is the same but whose tokens are not."""
+        block = self.cached_blocks.get(content.hash)
+        if block is None or block.content is None or not content.same_as(block.content):
+            return None
+        return block
 
     def record_prefix_lookup(self, num_queried_blocks: int, num_hit_blocks: int) -> None:
         self.num_cache_queries += num_queried_blocks

@@ -1,10 +1,13 @@
 """BlockSpaceManager: the block table of every sequence, on the GPU pool or the CPU swap pool.
 
 Prefix caching: a full block is known by a chained hash, hash((parent_hash, its tokens)), so
-the same tokens after a different prefix never match. A block becomes findable only once its
-K/V are computed (`mark_blocks_computed`); a new prompt then reuses its longest run of cached
-leading blocks, but never its last token, which must be computed to produce logits. Cached
-blocks are always full and never written again, so they are shared without copy-on-write.
+the same tokens after a different prefix never match. A hit compares tokens too: a cached
+block keeps its BlockTokens (its token ids and its parent's BlockTokens), and a lookup matches
+only when the whole prefix is equal, so a hash collision is a miss, never another prompt's
+KV. A block becomes findable only once its K/V are computed (`mark_blocks_computed`); a new
+prompt then reuses its longest run of cached leading blocks, but never its last token, which
+must be computed to produce logits. Cached blocks are always full and never written again,
+so they are shared without copy-on-write.
 
 Per decode step the common case (the last block has room and is not shared, no block fills
 up) costs a few attribute checks: `num_blocks_to_append`, `append_slots` and
@@ -30,6 +33,30 @@ class AllocStatus(enum.Enum):
 
 def hash_block_tokens(parent_hash: int | None, token_ids: Iterable[int]) -> int:
     return hash((parent_hash, tuple(token_ids)))
+
+
+class BlockTokens:
+    """The content of one full block: its token ids after those of the blocks before it
+    (`parent`, None for a sequence's first block), and its chained hash."""
+
+    __slots__ = ("parent", "token_ids", "hash")
+
+    def __init__(self, parent: BlockTokens | None, token_ids: Iterable[int]) -> None:
+        self.parent = parent
+        self.token_ids = tuple(token_ids)
+        self.hash = hash_block_tokens(parent.hash if parent is not None else None, self.token_ids)
+
+    def same_as(self, other: BlockTokens) -> bool:
+        """Every token of the two prefixes is equal. Callers build a block's content on the
+        content they matched for the block before it, so the walk usually stops at once on
+        a shared parent."""
+        a: BlockTokens | None = self
+        b: BlockTokens | None = other
+        while a is not b:
+            if a is None or b is None or a.hash != b.hash or a.token_ids != b.token_ids:
+                return False
+            a, b = a.parent, b.parent
+        return True
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -58,8 +85,9 @@ class BlockSpaceManager:
         # The same tables as block numbers, kept in step with `block_tables` so a step can hand
         # them to the model runner without building new lists (see `live_block_table`).
         self.block_number_tables: dict[int, list[int]] = {}
-        # Chained hashes of each sequence's leading full blocks whose K/V are computed.
-        self.computed_hashes: dict[int, list[int]] = {}
+        # Each sequence's leading full blocks whose K/V are computed: their BlockTokens
+        # (with their chained hashes).
+        self.computed_hashes: dict[int, list[BlockTokens]] = {}
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -69,13 +97,8 @@ class BlockSpaceManager:
         if num_required > self.num_total_gpu_blocks:
             return AllocStatus.NEVER
         # Cached leading blocks that other sequences hold cost no free block.
-        hashes = self._prefix_hashes(seq_group, seq)
-        num_held_hits = 0
-        for h in hashes:
-            block = self.gpu_allocator.get_cached_block(h)
-            if block is None:
-                break
-            num_held_hits += block.ref_count > 0
+        hits, _ = self._cached_prefix(seq_group, seq)
+        num_held_hits = sum(block.ref_count > 0 for block in hits)
         return AllocStatus.OK if self._fits(num_required - num_held_hits) else AllocStatus.LATER
 
     def allocate(self, seq_group: SequenceGroup) -> None:
@@ -83,21 +106,15 @@ class BlockSpaceManager:
         seq = self._waiting_seq(seq_group)
         if seq.seq_id in self.block_tables:
             raise ValueError(f"sequence {seq.seq_id} already has a block table")
-        hashes = self._prefix_hashes(seq_group, seq)
-        table: BlockTable = []
-        hits: list[int] = []
-        for h in hashes:
-            if not self.gpu_allocator.contains_hash(h):
-                break
-            table.append(self.gpu_allocator.allocate_cached(h))
-            hits.append(h)
-        if hashes:
-            self.gpu_allocator.record_prefix_lookup(len(hashes), len(hits))
+        hits, num_queried = self._cached_prefix(seq_group, seq)
+        table = [self.gpu_allocator.allocate_cached(block.block_hash) for block in hits]
+        if num_queried:
+            self.gpu_allocator.record_prefix_lookup(num_queried, len(hits))
         num_blocks = _cdiv(seq.get_len(), self.block_size)
         while len(table) < num_blocks:
             table.append(self.gpu_allocator.allocate())
         self._set_table(seq.seq_id, table)
-        self.computed_hashes[seq.seq_id] = hits
+        self.computed_hashes[seq.seq_id] = [block.content for block in hits]
         num_cached = len(hits) * self.block_size
         seq.num_computed_tokens = num_cached
         seq_group.num_cached_tokens = min(num_cached, seq.get_prompt_len())
@@ -108,21 +125,28 @@ class BlockSpaceManager:
             raise ValueError(f"request {seq_group.request_id!r} has no waiting sequence")
         return seqs[0]
 
-    def _prefix_hashes(self, seq_group: SequenceGroup, seq: Sequence) -> list[int]:
-        """Hashes of the leading full blocks a cache hit may cover (never the last token)."""
+    def _cached_prefix(
+        self, seq_group: SequenceGroup, seq: Sequence
+    ) -> tuple[list[PhysicalTokenBlock], int]:
+        """The cached blocks holding the sequence's longest run of leading full blocks, and
+        how many leading full blocks a hit could cover (never the last token)."""
         if not self.enable_caching:
-            return []
+            return [], 0
         # Cached tokens are never run through the model, so they get no prompt logprobs.
         if getattr(seq_group.sampling_params, "prompt_logprobs", None) is not None:
-            return []
+            return [], 0
         tokens = seq.get_token_ids()
         bs = self.block_size
-        hashes: list[int] = []
+        num_full = (len(tokens) - 1) // bs
+        hits: list[PhysicalTokenBlock] = []
         parent = None
-        for i in range((len(tokens) - 1) // bs):
-            parent = hash_block_tokens(parent, tokens[i * bs: (i + 1) * bs])
-            hashes.append(parent)
-        return hashes
+        for i in range(num_full):
+            block = self.gpu_allocator.lookup(BlockTokens(parent, tokens[i * bs: (i + 1) * bs]))
+            if block is None:
+                break
+            hits.append(block)
+            parent = block.content
+        return hits, num_full
 
     def _fits(self, num_blocks: int) -> bool:
         """Room for `num_blocks` more while keeping the watermark free; an empty pool always
@@ -147,13 +171,18 @@ class BlockSpaceManager:
             return
         num_full = min(seq.num_computed_tokens // self.block_size, len(table))
         for i in range(len(hashes), num_full):
-            h = hash_block_tokens(hashes[-1] if hashes else None, self._block_tokens(seq, i))
-            hashes.append(h)
+            content = BlockTokens(hashes[-1] if hashes else None, self._block_tokens(seq, i))
             block = table[i]
             # The same content may already be cached in another block (two identical
-            # prompts computed side by side); this one then just stays unregistered.
-            if block.block_hash is None and not self.gpu_allocator.contains_hash(h):
-                self.gpu_allocator.register(block, h, (i + 1) * self.block_size)
+            # prompts computed side by side); this one then just stays unregistered, and
+            # the sequence's chain continues from the cached content. A different content
+            # under the same hash (a collision) stays unregistered too.
+            cached = self.gpu_allocator.lookup(content)
+            if cached is not None:
+                content = cached.content
+            elif block.block_hash is None and not self.gpu_allocator.contains_hash(content.hash):
+                self.gpu_allocator.register(block, content.hash, content)
+            hashes.append(content)
 
     def _block_tokens(self, seq: Sequence, i: int) -> list[int]:
         start, end = i * self.block_size, (i + 1) * self.block_size
@@ -336,7 +365,7 @@ class BlockSpaceManager:
                 if new is not None:
                     new.ref_count += 1
                 else:
-                    new, needs_copy = self._new_home(dst, hashes[i] if i < len(hashes) else None, i)
+                    new, needs_copy = self._new_home(dst, hashes[i] if i < len(hashes) else None)
                     if needs_copy:
                         copies.append((block.block_number, new.block_number))
                     moved[id(block)] = new
@@ -347,15 +376,17 @@ class BlockSpaceManager:
         return copies
 
     def _new_home(
-        self, dst: BlockAllocator, block_hash: int | None, i: int
+        self, dst: BlockAllocator, content: BlockTokens | None
     ) -> tuple[PhysicalTokenBlock, bool]:
-        """A block on `dst` for block `i` of a table, and whether its content must be copied."""
-        if dst.device == "gpu" and block_hash is not None and self.enable_caching:
+        """A block on `dst` for a block of a table, and whether its content must be copied."""
+        if dst.device == "gpu" and content is not None and self.enable_caching:
             # Swap-in: the content may still be cached on the GPU (no copy needed); else
             # the copy lands before the step's forward, so the block can be registered now.
-            if dst.contains_hash(block_hash):
-                return dst.allocate_cached(block_hash), False
-            return dst.allocate(block_hash, (i + 1) * self.block_size), True
+            cached = dst.lookup(content)
+            if cached is not None:
+                return dst.allocate_cached(cached.block_hash), False
+            if not dst.contains_hash(content.hash):
+                return dst.allocate(content.hash, content), True
         return dst.allocate(), True
 
     def _set_table(self, seq_id: int, table: BlockTable) -> None:
@@ -425,6 +456,7 @@ class BlockSpaceManager:
                     assert b.block_hash is not None, f"{b} is evictable without a hash"
                 if b.block_hash is not None:
                     assert allocator.cached_blocks.get(b.block_hash) is b, f"{b} not indexed"
+                    assert b.content is None or b.content.hash == b.block_hash, f"{b} content"
             for h, b in allocator.cached_blocks.items():
                 assert b.block_hash == h, f"hash index {h} points at {b}"
         assert self.block_number_tables.keys() == self.block_tables.keys()

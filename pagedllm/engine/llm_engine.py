@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pagedllm.config import CacheConfig, SchedulerConfig
-from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine_args import EngineArgs
 from pagedllm.engine.detokenizer import Detokenizer, find_stop_string
 from pagedllm.engine.scheduler import ScheduledSequenceGroup, Scheduler
 from pagedllm.engine.sequence import Logprob, Sequence, SequenceGroup, SequenceStatus

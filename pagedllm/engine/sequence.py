@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from pagedllm.outputs import Logprob, RequestMetrics, SampleLogprobs
 
 if TYPE_CHECKING:
     import torch
@@ -36,17 +37,6 @@ FINISHED_STATUSES = frozenset({
     SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
     SequenceStatus.FINISHED_ABORTED, SequenceStatus.FINISHED_IGNORED,
 })
-
-
-@dataclass
-class Logprob:
-    logprob: float
-    rank: int | None = None  # 1 = most likely token
-    decoded_token: str | None = None
-
-
-# Per generated token: the chosen token and the top-k alternatives.
-SampleLogprobs = list[dict[int, Logprob]]
 
 
 class Sequence:
@@ -144,15 +134,6 @@ class Sequence:
             f"Sequence(id={self.seq_id}, status={self.status.name}, len={self.get_len()}, "
             f"computed={self.num_computed_tokens})"
         )
-
-
-@dataclass
-class RequestMetrics:
-    arrival_time: float
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    finished_time: float | None = None
 
 
 class SequenceGroup:

@@ -10,22 +10,12 @@ import logging
 import shlex
 import sys
 import time
-from typing import NoReturn
 
-EXIT_USAGE = 2
-
-
-class UsageError(Exception):
-    """A problem the user can fix from the command line: one `error:` line, exit 2."""
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(f"{message} (see `{self.prog} --help`)")
+from pagedllm.entrypoints.usage import EXIT_USAGE, Parser, UsageError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.engine_args import EngineArgs
 
     parser = Parser(prog="pagedllm", description="pagedllm: a PagedAttention LLM engine.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
@@ -36,7 +26,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0: any free)")
     serve.add_argument("--api-key", default=None,
-                       help="require `Authorization: Bearer KEY` on every /v1 route")
+                       help="require `Authorization: Bearer KEY` on every route that touches "
+                       "the model (/v1/*, /tokenize, /detokenize); /health and /metrics stay "
+                       "open")
+    serve.add_argument("--metrics-need-key", action="store_true",
+                       help="put /metrics behind --api-key too")
+    serve.add_argument("--max-request-bytes", type=int, default=8 << 20,
+                       help="larger request bodies are answered 413 unread (default: 8 MiB)")
+    serve.add_argument("--max-tokens-default", type=int, default=None,
+                       help="max_tokens of a request that sets none (default: 16 for "
+                       "/v1/completions as OpenAI, the rest of the context for chat as vLLM)")
     serve.add_argument("--log-level", default="warning",
                        choices=["critical", "error", "warning", "info", "debug"])
     EngineArgs.add_cli_args(serve)
@@ -102,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def load_engine(args: argparse.Namespace):
     """Build the LLMEngine, showing progress on stderr; bad options or models -> UsageError."""
-    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.engine_args import EngineArgs
     from pagedllm.engine.llm_engine import LLMEngine
 
     try:
@@ -142,21 +141,30 @@ def run_serve(args: argparse.Namespace) -> int:
     import asyncio
 
     from pagedllm.engine.async_engine import AsyncLLMEngine
-    from pagedllm.entrypoints.openai.api_server import bind_socket, serve
+    from pagedllm.entrypoints.openai.api_server import ServerConfig, bind_socket, serve
 
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_request_bytes < 1:
+        raise UsageError(f"--max-request-bytes must be at least 1, got {args.max_request_bytes}")
+    if args.max_tokens_default is not None and args.max_tokens_default < 1:
+        raise UsageError(f"--max-tokens-default must be at least 1, got {args.max_tokens_default}")
+    if args.metrics_need_key and args.api_key is None:
+        raise UsageError("--metrics-need-key needs --api-key")
     try:
         sock = bind_socket(args.host, args.port)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     _show_progress_logs()
-    engine = AsyncLLMEngine(load_engine(args))
+    engine = AsyncLLMEngine(load_engine(args), log_stats=not args.disable_log_stats)
 
     def announce(url: str) -> None:
         print(ready_message(url, engine.model_name, args.api_key), flush=True)
 
-    asyncio.run(serve(engine, sock, args.api_key, announce, args.log_level))
+    config = ServerConfig(api_key=args.api_key, metrics_need_key=args.metrics_need_key,
+                          max_request_bytes=args.max_request_bytes,
+                          max_tokens_default=args.max_tokens_default)
+    asyncio.run(serve(engine, sock, config, announce, args.log_level))
     return 0
 
 
@@ -286,8 +294,4 @@ def run_bench(workload: str, argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    # Run the imported module, not __main__, so its classes (UsageError) are the ones the
-    # subcommand modules import.
-    from pagedllm.entrypoints.cli import main as cli_main
-
-    sys.exit(cli_main())
+    sys.exit(main())

@@ -12,7 +12,7 @@ from collections.abc import Sequence as Seq
 
 from tqdm.auto import tqdm
 
-from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine_args import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams

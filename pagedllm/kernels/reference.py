@@ -1,6 +1,8 @@
-"""Pure-torch paged-attention ops: the CPU path, and the oracle for every Triton kernel.
+"""Pure-torch kernels: paged attention, RMSNorm, SiLU-and-mul, the rotary rotation. The path
+wherever no faster kernel applies (layers/dispatch.py), and the oracle of the Triton and C
+kernels in tests.
 
-See pagedllm/layers/metadata.py for the cache layout and the meaning of the metadata.
+See pagedllm/kernels/metadata.py for the cache layout and the meaning of the metadata.
 """
 from __future__ import annotations
 
@@ -10,7 +12,34 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedllm.layers.metadata import PagedAttentionInputMetadata
+from pagedllm.kernels.metadata import PagedAttentionInputMetadata
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """norm(x), or with a residual (norm(x + residual), x + residual); computed in float32."""
+    if residual is not None:
+        x = x + residual
+    dtype = x.dtype
+    normed = x.float()
+    normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * normed.to(dtype)
+    return out if residual is None else (out, x)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[..., 2 * d] -> [..., d]: silu(gate) * up of a fused [gate | up] projection."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding in the rotate-half layout: x * cos + rotate_half(x) * sin, with
+    rotate_half(x) * sin = [x2, x1] * [-sin, sin] (exactly the same products: negating a
+    factor is exact). cos and signed_sin: [T, 1, head_dim], the rows of x's positions."""
+    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # [x2, x1]
+    return x * cos + swapped * signed_sin
 
 
 def write_kv_cache(

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.layers.metadata import PagedAttentionInputMetadata
+from pagedllm.kernels.metadata import PagedAttentionInputMetadata
 
 LOG2E = 1.4426950408889634
 # Compiled kernels may read only constexpr globals (the interpreter does not enforce this).

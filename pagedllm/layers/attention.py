@@ -1,33 +1,18 @@
 """PagedAttention: write this step's K/V into the paged cache, then attend over it.
 
-CUDA tensors go to the Triton kernels. On the CPU, decode-only steps go to the C kernel
-(kernels/cpu) when it is built, everything else to the pure-torch reference. Neither
-reads device values on the host, so a decode step can be captured in a CUDA graph (the split
-count then comes fixed from the metadata).
+The kernels are the layer's backend's (layers/dispatch.py): Triton on CUDA; on the CPU in
+fp32 the C kernels write the cache and run decode-only steps, the pure-torch reference
+(SDPA) runs prompt chunks; pure torch anywhere else.
 """
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from pagedllm.kernels import cpu as cpu_kernels
-from pagedllm.kernels import reference
-from pagedllm.layers.metadata import PagedAttentionInputMetadata
+from pagedllm.kernels.metadata import PagedAttentionInputMetadata
+from pagedllm.layers.dispatch import Dispatched
 
 
-def use_triton(q: torch.Tensor) -> bool:
-    """The Triton kernels for CUDA tensors (tests also route CPU tensors to them when Triton
-    runs in its interpreter)."""
-    return q.is_cuda
-
-
-def _triton_ops():
-    from pagedllm.kernels import triton_attention, triton_cache
-
-    return triton_cache.triton_write_kv_cache, triton_attention.triton_paged_attention
-
-
-class PagedAttention(nn.Module):
+class PagedAttention(Dispatched):
     def __init__(
         self,
         num_heads: int,
@@ -65,19 +50,6 @@ class PagedAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        alibi = self.alibi_slopes(q.device)
-        if use_triton(q):
-            write, attend = _triton_ops()
-            write(k, v, kv_cache, meta.slot_mapping)
-            out = attend(q, kv_cache, meta, self.scale, self.sliding_window, alibi,
-                         num_splits=meta.num_splits)
-        else:
-            in_c = cpu_kernels.applies(q, k, v, kv_cache) and cpu_kernels.rows_contiguous(k, v)
-            (cpu_kernels if in_c else reference).write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-            if in_c and cpu_kernels.is_decode_step(q, meta):
-                out = cpu_kernels.paged_attention_decode(q, kv_cache, meta, self.scale,
-                                                         self.sliding_window, alibi)
-            else:
-                out = reference.paged_attention(q, kv_cache, meta, self.scale,
-                                                self.sliding_window, alibi, key=k, value=v)
+        out = self.backend.paged_attention(q, k, v, kv_cache, meta, self.scale,
+                                           self.sliding_window, self.alibi_slopes(q.device))
         return out.reshape(-1, self.num_heads * self.head_dim)

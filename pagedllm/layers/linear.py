@@ -5,8 +5,8 @@ and skip that work on every call. On this project's 2-core CPU that makes the li
 32-sequence decode step about 20% faster, with the same results as F.linear; prompt batches
 measured no faster, so they keep F.linear. torch exposes it as the `mkl::_mkl_linear` op,
 the one its own compiler uses for frozen CPU models; the packed copy takes as much memory
-again as the weights it packs. Anywhere else (CUDA, other dtypes, no MKL) a Linear is
-nn.Linear.
+again as the weights it packs. Anywhere else (CUDA, other dtypes: where the backend of
+layers/dispatch.py does not pack, or without MKL) a Linear is nn.Linear.
 """
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ import logging
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pagedllm.layers import dispatch
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +31,7 @@ def pack_for_mkl(weight: torch.Tensor) -> torch.Tensor | None:
     The packed layout does not depend on the batch size it was packed for (checked here on
     a few sizes against F.linear), so one copy serves every batch: `linear` passes each call's
     own row count as the op's batch size, which takes its packed path."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not _mkl_ops_available():
+    if not dispatch.choose(weight.device, weight.dtype).packs_linears or not _mkl_ops_available():
         return None
     weight = weight.detach().contiguous()
     packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, 32)

@@ -1,14 +1,20 @@
-"""Rotary position embedding (the rotate-half layout Hugging Face Llama models use)."""
+"""Rotary position embedding (the rotate-half layout Hugging Face Llama models use).
+
+RotaryTables holds cos/sin of every position, built once per shape and shared by every layer
+(and every model) of that shape; each layer's RotaryEmbedding applies them through its own
+backend (layers/dispatch.py), which depends on the layer's device.
+"""
 from __future__ import annotations
 
+import json
 import math
+import weakref
 from typing import Any
 
 import torch
-from torch import nn
 
-from pagedllm.kernels import cpu as cpu_kernels
-from pagedllm.layers.metadata import PagedAttentionInputMetadata
+from pagedllm.kernels.metadata import PagedAttentionInputMetadata
+from pagedllm.layers.dispatch import Dispatched
 
 
 def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -32,22 +38,16 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> to
     return inv_freq.float()
 
 
-class RotaryEmbedding(nn.Module):
-    def __init__(
-        self,
-        head_dim: int,
-        max_position: int,
-        theta: float,
-        scaling: dict[str, Any] | None = None,
-    ) -> None:
-        super().__init__()
+class RotaryTables:
+    """cos and sin [max_position, head_dim] in float32 for accuracy: one table on the CPU,
+    copied once to each device that asks (not per layer, not as module buffers)."""
+
+    def __init__(self, head_dim: int, max_position: int, theta: float,
+                 scaling: dict[str, Any] | None = None) -> None:
         inv_freq = _inv_freq(head_dim, theta, scaling)
         t = torch.arange(max_position, dtype=torch.float32, device="cpu")
         freqs = torch.outer(t, inv_freq)
-        # [max_position, head_dim], float32 for accuracy. One model-wide table, copied once
-        # to each device that holds layers (not per layer, not as module buffers).
         self._tables = {torch.device("cpu"): (freqs.cos().repeat(1, 2), freqs.sin().repeat(1, 2))}
-
         self._cos_sin: dict[torch.device, torch.Tensor] = {}
 
     def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,34 +64,8 @@ class RotaryEmbedding(nn.Module):
             self._cos_sin[device] = torch.cat((cos[:, :half], sin[:, :half]), dim=-1).to(device)
         return self._cos_sin[device]
 
-    def forward(
-        self,
-        positions: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        meta: PagedAttentionInputMetadata | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]. On CUDA, and by the C kernel on
-        the CPU in fp32, rotated in place.
-        With the step's metadata (whose positions these are), the CPU path looks up the
-        positions' cos/sin rows once per step instead of once per layer."""
-        if q.is_cuda and q.stride(-1) == 1 and k.stride(-1) == 1:
-            from pagedllm.kernels.triton_ops import triton_rotary_embedding
-
-            triton_rotary_embedding(positions, q, k, self.cos_sin_cache(q.device))
-            return q, k
-        if cpu_kernels.applies(q, k) and cpu_kernels.rows_contiguous(q, k):
-            cpu_kernels.rotary_embedding_(positions, q, k, *self.tables(q.device))
-            return q, k
-        if meta is None:
-            cos, sin = self._rows(positions, q.dtype)
-        else:
-            cos, sin = meta.step_cache(("rotary", self, q.dtype),
-                                       lambda: self._rows(positions, q.dtype))
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-    def _rows(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sign-flipped sin [T, 1, head_dim] of each position (see _rotate), in the
+    def rows(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-flipped sin [T, 1, head_dim] of each position (reference.rotate), in the
         activations' dtype: half-precision models rotate in half precision, as transformers
         does, instead of casting q and k to float32 and back in every layer."""
         cos, sin = self.tables(positions.device)
@@ -101,8 +75,45 @@ class RotaryEmbedding(nn.Module):
         return cos[positions].unsqueeze(1).to(dtype), (sin[positions] * sign).unsqueeze(1).to(dtype)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin, with rotate_half(x) * sin = [x2, x1] * [-sin, sin]
-    (exactly the same products: negating a factor is exact)."""
-    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # [x2, x1]
-    return x * cos + swapped * signed_sin
+# One RotaryTables per shape while any layer holds it.
+_shared_tables: weakref.WeakValueDictionary[tuple, RotaryTables] = weakref.WeakValueDictionary()
+
+
+def shared_tables(head_dim: int, max_position: int, theta: float,
+                  scaling: dict[str, Any] | None = None) -> RotaryTables:
+    key = (head_dim, max_position, float(theta), json.dumps(scaling, sort_keys=True))
+    tables = _shared_tables.get(key)
+    if tables is None:
+        tables = _shared_tables[key] = RotaryTables(head_dim, max_position, theta, scaling)
+    return tables
+
+
+class RotaryEmbedding(Dispatched):
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        theta: float,
+        scaling: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.rope = shared_tables(head_dim, max_position, theta, scaling)
+
+    def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rope.tables(device)
+
+    def cos_sin_cache(self, device: torch.device) -> torch.Tensor:
+        return self.rope.cos_sin_cache(device)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        meta: PagedAttentionInputMetadata | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]. The Triton and C kernels rotate
+        in place; the torch path returns new tensors. With the step's metadata (whose
+        positions these are), the torch path looks up the positions' cos/sin rows once per
+        step instead of once per layer."""
+        return self.backend.rotary_embedding(positions, q, k, self.rope, meta)

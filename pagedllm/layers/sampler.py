@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedllm.layers.metadata import host_to_device
+from pagedllm.kernels.metadata import host_to_device
 from pagedllm.sampling_params import SamplingParams, SamplingType
 
 

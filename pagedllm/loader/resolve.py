@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pagedllm.config import LOAD_FORMATS
 from pagedllm.loader import hub
 from pagedllm.loader.default_model import default_model_path
 from pagedllm.loader.dummy import DEFAULT_PRESET, preset_config_file, preset_names
@@ -16,8 +17,6 @@ from pagedllm.loader.gguf_loader import gguf_model_config, gguf_model_name, load
 from pagedllm.loader.hf_loader import config_from_hf_json, load_hf_dir
 from pagedllm.loader.source import ModelSource
 from pagedllm.loader.tokenizer import has_tokenizer_files, load_tokenizer
-
-LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 
 
 def load_model_source(

@@ -5,22 +5,16 @@ Same interface as pagedllm/models/llama.py, so the Worker places and loads it th
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.config import ModelConfig
+from pagedllm.kernels.metadata import PagedAttentionInputMetadata
 from pagedllm.kernels.reference import alibi_slopes
 from pagedllm.layers.attention import PagedAttention
-from pagedllm.layers.linear import Linear, compute_logits
-from pagedllm.layers.metadata import PagedAttentionInputMetadata
-from pagedllm.worker.device_map import DeviceMap
-
-MetadataByGroup = (
-    list[PagedAttentionInputMetadata] | dict[torch.device, PagedAttentionInputMetadata]
-)
+from pagedllm.layers.linear import Linear
+from pagedllm.models.base import CausalLM
 
 
 class BloomEmbedding(nn.Embedding):
@@ -91,7 +85,7 @@ class BloomDecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
-class BloomForCausalLM(nn.Module):
+class BloomForCausalLM(CausalLM):
     # Hugging Face module prefixes -> ours (everything below a layer keeps its HF name).
     renames = (
         ("transformer.word_embeddings_layernorm.", "embed_tokens.layernorm."),
@@ -114,26 +108,7 @@ class BloomForCausalLM(nn.Module):
         else:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
-    # Device placement: the embedding sits with the first layer, norm and head with the last.
-    def layer_device(self, i: int) -> torch.device:
-        return self.layers[i].input_layernorm.weight.device
-
-    # Set by the Worker; None: one group per run of layers whose weights share a device.
-    device_map: DeviceMap | None = None
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        metadata: MetadataByGroup,
-    ) -> torch.Tensor:
-        """metadata: one per device group (DeviceMap.distribute), or keyed by device."""
-        device_map = self.device_map or DeviceMap.from_layer_devices(
-            [self.layer_device(i) for i in range(len(self.layers))]
-        )
-        return device_map.run_model(self, input_ids, kv_caches, metadata)
-
-    # The stages DeviceMap.run_model runs; the state is (hidden,).
+    # The three stages (models/base.py); the state is (hidden,).
     def embed(self, input_ids: torch.Tensor) -> tuple[torch.Tensor]:
         return (self.embed_tokens(input_ids),)
 
@@ -147,44 +122,18 @@ class BloomForCausalLM(nn.Module):
     def final_norm(self, state: tuple) -> torch.Tensor:
         return self.norm(state[0])
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return compute_logits(self, hidden)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load Hugging Face-named tensors, reordering the fused qkv as they arrive."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if name == "lm_head.weight" and self.lm_head is None:
-                continue
-            target = self._target(name)
-            if target not in params:
-                raise ValueError(f"unexpected weight {name!r} for {self.config.architecture}")
-            param = params[target]
-            if param.shape != tensor.shape:
-                raise ValueError(
-                    f"weight {name!r} has shape {tuple(tensor.shape)}, "
-                    f"expected {tuple(param.shape)}"
-                )
-            if ".query_key_value." in target:
-                tensor = self._split_heads_qkv(tensor)
-            with torch.no_grad():
-                param.copy_(tensor)
-            loaded.add(target)
-        missing = [n for n in params if n not in loaded]
-        if missing:
-            raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:5])}")
-
-    def _target(self, name: str) -> str:
+    def weight_target(self, name: str) -> tuple[str, int | None]:
         if not name.startswith("transformer."):
-            return name  # lm_head.weight of an untied head
+            return name, None  # lm_head.weight of an untied head
         for hf, ours in self.renames:
             if name.startswith(hf):
-                return ours + name.removeprefix(hf)
-        return name  # unknown: reported as unexpected
+                return ours + name.removeprefix(hf), None
+        return name, None  # unknown: reported as unexpected
 
-    def _split_heads_qkv(self, tensor: torch.Tensor) -> torch.Tensor:
+    def convert_weight(self, param_name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Bloom stores qkv rows per head as [q_h, k_h, v_h]; ours are [q | k | v]."""
+        if ".query_key_value." not in param_name:
+            return tensor
         c = self.config
         per_head = tensor.reshape(c.num_attention_heads, 3, c.head_dim, *tensor.shape[1:])
         return per_head.transpose(0, 1).reshape(tensor.shape)

@@ -11,7 +11,7 @@ import logging
 import torch
 
 from pagedllm.config import ModelConfig
-from pagedllm.worker.device_map import DeviceMap
+from pagedllm.models.device_map import DeviceMap
 
 logger = logging.getLogger(__name__)
 

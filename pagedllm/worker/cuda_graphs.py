@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pagedllm.layers.metadata import PagedAttentionInputMetadata, pad_block_tables
-from pagedllm.worker.device_map import DeviceMap, on_device
+from pagedllm.kernels.metadata import PagedAttentionInputMetadata, pad_block_tables
+from pagedllm.models.device_map import DeviceGroup, DeviceMap
 
 logger = logging.getLogger(__name__)
 
@@ -213,23 +213,25 @@ class DecodeCUDAGraphs:
     # ------------------------------------------------------------------ stages
     def _stage(self, g: int, batch_size: int, kv_caches: list[torch.Tensor]):
         """What group g's graph replays: its layers over its static inputs; the last group
-        ends with the final norm and returns the hidden states."""
+        ends with the final norm and returns the hidden states. Runs with the group's device
+        current (DeviceMap.walk, or the capture)."""
         group = self.device_map.groups[g]
         b = batch_size
-        with on_device(group.device):
-            if g == 0:
-                state = self.model.embed(self.input_ids[:b])
-            else:
-                state = tuple(None if t is None else t[:b] for t in self.states[g])
-            state = self.model.run_layers(group.layers, state, kv_caches,
-                                          self.metadata(b, group.device))
-            if g == len(self.device_map.groups) - 1:
-                return self.model.final_norm(state)
+        if g == 0:
+            state = self.model.embed(self.input_ids[:b])
+        else:
+            state = tuple(None if t is None else t[:b] for t in self.states[g])
+        state = self.model.run_layers(group.layers, state, kv_caches,
+                                      self.metadata(b, group.device))
+        if g == len(self.device_map.groups) - 1:
+            return self.model.final_norm(state)
         return state
 
-    def _load_state(self, g: int, batch_size: int, state: tuple) -> None:
-        """Copy the previous group's output state into group g's static buffers (across
-        devices: the copy orders both devices' streams)."""
+    def _load_state(self, state: tuple, group: DeviceGroup, batch_size: int) -> None:
+        """Copy the previous group's output state into `group`'s static buffers (across
+        devices: the copy orders both devices' streams). The walk's boundary step: the next
+        stage reads those buffers."""
+        g = group.index
         if g not in self.states:
             device = self.device_map.groups[g].device
             self.states[g] = tuple(
@@ -243,12 +245,10 @@ class DecodeCUDAGraphs:
 
     def _forward(self, batch_size: int, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """Every stage eagerly over the static buffers (warm-up, and the CPU tests)."""
-        out = None
-        for g in range(len(self.device_map.groups)):
-            if g > 0:
-                self._load_state(g, batch_size, out)
-            out = self._stage(g, batch_size, kv_caches)
-        return out
+        return self.device_map.walk(
+            None, lambda group, _: self._stage(group.index, batch_size, kv_caches),
+            lambda state, group: self._load_state(state, group, batch_size),
+        )
 
     @torch.inference_mode()
     def profile_run(self) -> None:
@@ -339,6 +339,10 @@ class DecodeCUDAGraphs:
             buffers.load(batch, bucket)
         return bucket
 
+    def _replay(self, bucket: int, g: int):
+        self.graphs[bucket, g].replay()
+        return self.outputs[bucket, g]
+
     def run(
         self,
         input_ids: list[int] | torch.Tensor,
@@ -350,12 +354,9 @@ class DecodeCUDAGraphs:
         """Load this step's inputs, replay its bucket's graphs group by group, return
         [num_seqs, hidden]."""
         bucket = self.load_inputs(input_ids, positions, slot_mapping, seq_lens, block_tables)
-        out = None
-        for g, group in enumerate(self.device_map.groups):
-            if g > 0:
-                self._load_state(g, bucket, out)
-            with torch.cuda.device(group.device):
-                self.graphs[bucket, g].replay()
-            out = self.outputs[bucket, g]
+        out = self.device_map.walk(
+            None, lambda group, _: self._replay(bucket, group.index),
+            lambda state, group: self._load_state(state, group, bucket),
+        )
         self.num_replays += 1
         return out[: len(input_ids)]

@@ -15,10 +15,10 @@ from torch import nn
 
 from pagedllm.engine.scheduler import SchedulerOutput
 from pagedllm.engine.sequence import SequenceGroup, SequenceStatus
-from pagedllm.layers.metadata import PagedAttentionInputMetadata, host_to_device, slots_for
+from pagedllm.kernels.metadata import PagedAttentionInputMetadata, host_to_device, slots_for
 from pagedllm.layers.sampler import Sampler, SampleResult, SamplingRow, compute_prompt_logprobs
 from pagedllm.worker.cuda_graphs import DecodeCUDAGraphs
-from pagedllm.worker.device_map import DeviceMap
+from pagedllm.models.device_map import DeviceMap
 
 
 @dataclass

@@ -14,13 +14,12 @@ from collections import defaultdict
 import torch
 from torch import nn
 
+from pagedllm.config import QUANTIZATIONS
 from pagedllm.kernels.cpu import quant
 from pagedllm.layers import fp8_linear
 from pagedllm.layers.gguf_linear import GGUFEmbedding, GGUFLinear, make_segments
 
 logger = logging.getLogger(__name__)
-
-METHODS = ("gguf", "fp8")
 
 
 def resolve_quantization(requested: str | None, load_format: str,
@@ -50,7 +49,7 @@ def resolve_quantization(requested: str | None, load_format: str,
         if dtype not in ("auto", "bfloat16"):
             raise ValueError(f"--quantization fp8 computes with bfloat16 activations, not {dtype}")
         return "fp8"
-    raise ValueError(f"quantization must be one of {', '.join(METHODS)}, got {requested!r}")
+    raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {requested!r}")
 
 
 def _module_and_part(hf_name: str, packed_weights: dict[str, tuple[str, int]]

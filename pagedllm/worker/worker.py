@@ -9,19 +9,21 @@ import math
 import torch
 from torch import nn
 
-from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.config import resolve_dtype
+from pagedllm.engine_args import EngineArgs
 from pagedllm.engine.scheduler import SchedulerOutput
-from pagedllm.layers.metadata import PagedAttentionInputMetadata, slots_for
+from pagedllm.kernels.metadata import PagedAttentionInputMetadata, slots_for
 from pagedllm.layers.gguf_linear import unloaded_parts
 from pagedllm.loader import initialize_dummy_weights, load_model_source
 from pagedllm.loader.gguf_loader import packed_tensor_types
+from pagedllm.models.device_map import DeviceMap
 from pagedllm.models.registry import build_model
 from pagedllm.layers.linear import prepack_model
 from pagedllm.worker import memory
 from pagedllm.worker.cache_engine import CacheEngine, bytes_per_block
 from pagedllm.worker.cuda_graphs import graphs_supported
-from pagedllm.worker.device_map import (
-    DeviceMap, PlacementInputs, WeightSizes, check_weights_fit, describe, place_model, plan_auto,
+from pagedllm.worker.placement import (
+    PlacementInputs, WeightSizes, check_weights_fit, describe, place_model, plan_auto,
 )
 from pagedllm.worker.model_runner import ModelRunner, StepResult
 from pagedllm.worker.quantization import (
@@ -29,8 +31,6 @@ from pagedllm.worker.quantization import (
 )
 
 logger = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -40,12 +40,6 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {name!r} was asked for but CUDA is not available")
     return device
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[name]
 
 
 class Worker:

@@ -1,4 +1,8 @@
-"""The FastAPI app: OpenAI routes, tokenizer routes, health, metrics, API-key check."""
+"""The FastAPI app: OpenAI routes, tokenizer routes, health, metrics, API-key check.
+
+Its OpenAPI schema (GET /openapi.json) tells the truth: validation errors are 400 in OpenAI's
+error shape (FastAPI's 422 is not used), and 401, 404 and 413 are documented where they occur.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -7,118 +11,186 @@ import logging
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedllm.engine.async_engine import AsyncLLMEngine
+from pagedllm.entrypoints.openai.body_limit import DEFAULT_MAX_REQUEST_BYTES, RequestBodyLimit
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import (
+    MESSAGE_ROLES,
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    ErrorResponse,
+    HealthResponse,
     ModelCard,
     ModelList,
+    TokenizeChatRequest,
     TokenizeRequest,
     TokenizeResponse,
 )
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from pagedllm.entrypoints.openai.serving_engine import OpenAIError, SSEResponse
+from pagedllm.entrypoints.openai.serving_engine import OpenAIError, PromptTokenizer, SSEResponse
 
 logger = logging.getLogger(__name__)
 
 
-def build_app(engine: AsyncLLMEngine, api_key: str | None = None) -> FastAPI:
+@dataclass
+class ServerConfig:
+    """What `pagedllm serve` adds to the engine's options."""
+
+    api_key: str | None = None  # required on every route that touches the model
+    metrics_need_key: bool = False  # /metrics behind the key too
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    max_tokens_default: int | None = None  # max_tokens of requests that set none
+
+
+_ERRORS = {
+    400: "Invalid request: the message names the problem (also for schema violations)",
+    401: "Missing or wrong API key (`Authorization: Bearer KEY`)",
+    404: "Unknown model (code `model_not_found`)",
+    413: "Request body over the server's --max-request-bytes",
+}
+
+
+# One server-sent event (OpenAPI 3.1: the schema of an event stream describes each event).
+_SSE_EVENT = {
+    "type": "object",
+    "description": "`data`: one chunk as JSON (a response's shape; chat: object "
+                   "`chat.completion.chunk`), an `error` object, or `[DONE]` at the end",
+    "properties": {"data": {"type": "string"}},
+    "required": ["data"],
+}
+
+
+def _documented(*codes: int, ok: type | None = None, stream: bool = False) -> dict:
+    """The `responses` of a route: its 200 (JSON, or SSE too) and its errors."""
+    responses: dict[int | str, dict] = {
+        code: {"model": ErrorResponse, "description": _ERRORS[code]} for code in codes
+    }
+    if ok is not None:
+        responses[200] = {"model": ok, "description": "Successful Response"}
+        if stream:
+            responses[200]["description"] = "JSON, or server-sent events with `stream: true`"
+            responses[200]["content"] = {"text/event-stream": {"schema": _SSE_EVENT}}
+    return responses
+
+
+def build_app(engine: AsyncLLMEngine, config: ServerConfig | None = None) -> FastAPI:
+    config = config or ServerConfig()
     metrics = ServerMetrics()
     engine.observers.append(metrics)
-    completion = OpenAIServingCompletion(engine)
-    chat = OpenAIServingChat(engine)
+    tokenizer = PromptTokenizer(engine.tokenizer, engine.max_model_len)
+    completion = OpenAIServingCompletion(engine, tokenizer, config.max_tokens_default)
+    chat = OpenAIServingChat(engine, tokenizer, config.max_tokens_default)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
+        tokenizer.shutdown()
         await engine.shutdown()
 
     app = FastAPI(title="pagedllm", lifespan=lifespan)
     app.state.engine = engine
     app.state.metrics = metrics
+    app.add_middleware(RequestBodyLimit, max_bytes=config.max_request_bytes)
     _install_error_handlers(app)
+    api_key = config.api_key.encode() if config.api_key is not None else None
+    key = (401,) if api_key is not None else ()
 
     async def check_api_key(request: Request) -> None:
         if api_key is None:
             return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), api_key):
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        # Starlette decodes headers as latin-1: encoding back gives the bytes that were sent.
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+                token.strip().encode("latin-1"), api_key):
             raise OpenAIError("Incorrect API key provided.", 401, code="invalid_api_key")
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+    keyed = APIRouter(dependencies=[Depends(check_api_key)])
 
-    @v1.get("/models")
+    @keyed.get("/v1/models", responses=_documented(*key))
     async def list_models() -> ModelList:
         return ModelList(data=[ModelCard(id=engine.model_name, max_model_len=engine.max_model_len)])
 
-    @v1.post("/completions")
+    @keyed.post("/v1/completions", response_model=None,
+                responses=_documented(400, *key, 404, 413, ok=CompletionResponse, stream=True))
     async def create_completion(body: CompletionRequest, raw: Request) -> Any:
         result = await _cancel_on_disconnect(raw, completion.create_completion(body))
         return _respond(result)
 
-    @v1.post("/chat/completions")
+    @keyed.post("/v1/chat/completions", response_model=None,
+                responses=_documented(400, *key, 404, 413, ok=ChatCompletionResponse,
+                                      stream=True))
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Any:
         result = await _cancel_on_disconnect(raw, chat.create_chat_completion(body))
         return _respond(result)
 
-    app.include_router(v1)
-
-    @app.get("/health")
-    async def health() -> Response:
-        return Response(status_code=200)
-
-    @app.get("/metrics")
-    async def get_metrics() -> Response:
-        stats = await engine.get_stats()
-        return Response(metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
-
-    @app.post("/tokenize")
+    @keyed.post("/tokenize", responses=_documented(400, *key, 404, 413))
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         completion.check_model(body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise OpenAIError("give exactly one of prompt or messages", param="prompt")
-        if engine.tokenizer is None:
-            raise OpenAIError("this model has no tokenizer")
-        if body.messages is not None:
+        if isinstance(body, TokenizeChatRequest):
             tokens = await chat.render_prompt(body.messages, body.add_generation_prompt)
         else:
-            text, add_special = body.prompt, body.add_special_tokens
-            tokens = await engine.run_in_engine_thread(
-                lambda: engine.tokenizer.encode(text, add_special_tokens=add_special)
-            )
+            tokens = await tokenizer.encode(body.prompt, body.add_special_tokens)
         return TokenizeResponse(tokens=tokens, count=len(tokens),
                                 max_model_len=engine.max_model_len)
 
-    @app.post("/detokenize")
+    @keyed.post("/detokenize", responses=_documented(400, *key, 404, 413))
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         completion.check_model(body.model)
         vocab_size = engine.engine.model_config.vocab_size
-        bad = [t for t in body.tokens if not 0 <= t < vocab_size]
+        bad = [t for t in body.tokens if t >= vocab_size]
         if bad:
             raise OpenAIError(
                 f"token id {bad[0]} is out of range for a vocabulary of {vocab_size}",
                 param="tokens",
             )
-        if engine.tokenizer is None:
-            raise OpenAIError("this model has no tokenizer")
-        text = await engine.run_in_engine_thread(engine.tokenizer.decode, body.tokens)
-        return DetokenizeResponse(prompt=text)
+        return DetokenizeResponse(prompt=await tokenizer.decode(body.tokens))
 
+    app.include_router(keyed)
+
+    @app.get("/health")
+    async def health() -> HealthResponse:
+        # The socket listens only once the model is loaded: no "loading" state to report.
+        return HealthResponse()
+
+    metrics_deps = [Depends(check_api_key)] if config.metrics_need_key else []
+
+    @app.get("/metrics", dependencies=metrics_deps, response_class=PlainTextResponse,
+             responses=_documented(*(key if config.metrics_need_key else ())))
+    async def get_metrics() -> Response:
+        stats = await engine.get_stats()
+        return Response(metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
+
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema less its 422 responses: validation errors answer 400 here."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for operations in schema["paths"].values():
+            for operation in operations.values():
+                operation["responses"].pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 def _respond(result: Any) -> Any:
@@ -180,7 +252,9 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "invalid_request_error" if exc.status_code < 500 else "internal_server_error"
-        return _error_response(OpenAIError(str(exc.detail), exc.status_code, type=kind))
+        response = _error_response(OpenAIError(str(exc.detail), exc.status_code, type=kind))
+        response.headers.update(exc.headers or {})  # 405's Allow
+        return response
 
     @app.exception_handler(Exception)
     async def unexpected_error(_: Request, exc: Exception) -> JSONResponse:
@@ -195,22 +269,45 @@ def _validation_to_openai(exc: RequestValidationError) -> OpenAIError:
     errors = exc.errors()
     if not errors:
         return OpenAIError("invalid request")
-    first = errors[0]
-    if first.get("type") == "json_invalid":
+    # A union reports one error per branch: the branch that got deepest explains best.
+    field = errors[0].get("loc", ())[:2]
+    first = max((e for e in errors if e.get("loc", ())[:2] == field),
+                key=lambda e: len(e.get("loc", ())))
+    kind = first.get("type")
+    if kind == "json_invalid":
         detail = first.get("ctx", {}).get("error", first["msg"])
         return OpenAIError(f"malformed JSON body: {detail}")
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    # Unions report one error per branch with the branch type in loc; keep the field path.
-    path = ".".join(p for p in loc if not _is_type_tag(p))
+    if kind == "lone_surrogate":
+        where = first["ctx"]["where"]
+        return OpenAIError(first["msg"], param=None if where == "body" else where)
+    path = _field_path(first.get("loc", ()))
+    if kind == "union_tag_not_found":  # a message without a role
+        path = f"{path}.role"
+        return OpenAIError(f"missing required field: {path}", param=path)
+    if kind == "union_tag_invalid":  # a message with an unknown role
+        path = f"{path}.role"
+        return OpenAIError(f"invalid value for {path}: {first['msg']}", param=path)
     if not path:
         return OpenAIError(f"invalid request body: {first['msg']}")
-    if first.get("type") == "missing":
+    if kind == "missing":
         return OpenAIError(f"missing required field: {path}", param=path)
     return OpenAIError(f"invalid value for {path}: {first['msg']}", param=path)
 
 
-def _is_type_tag(part: str) -> bool:
-    return "[" in part or part in ("str", "int", "float", "bool", "list", "dict")
+def _field_path(loc: tuple) -> str:
+    """The dotted path of the field, without what pydantic adds for unions: branch types
+    (`list[int]`, `TokenizeChatRequest`) and the role tag after a message's index."""
+    parts: list[str] = []
+    previous: Any = None
+    for part in loc:
+        tag = isinstance(part, str) and (
+            "[" in part or "-" in part or part in ("str", "int", "float", "bool", "list", "dict")
+            or part[:1].isupper() or (isinstance(previous, int) and part in MESSAGE_ROLES)
+        )
+        if part != "body" and not tag:
+            parts.append(str(part))
+        previous = part
+    return ".".join(parts)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -230,14 +327,14 @@ def bind_socket(host: str, port: int) -> socket.socket:
 async def serve(
     engine: AsyncLLMEngine,
     sock: socket.socket,
-    api_key: str | None = None,
+    config: ServerConfig | None = None,
     on_ready: Callable[[str], None] | None = None,
     log_level: str = "warning",
 ) -> None:
     """Serve the app on an already bound socket until interrupted."""
     import uvicorn
 
-    app = build_app(engine, api_key)
+    app = build_app(engine, config)
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
     host, port = sock.getsockname()[:2]

@@ -1,11 +1,29 @@
-"""The OpenAI API's request and response bodies (pydantic), with the sampling extras vLLM adds."""
+"""The OpenAI API's request and response bodies (pydantic), with the sampling extras vLLM adds.
+
+Request bodies are strict, as OpenAI's are: JSON types are not coerced ("yes" is no boolean,
+false is no token id), numbers are finite, and ranges the engine enforces are in the schema.
+Fields the server does not know are ignored, with one warning per field name (as vLLM).
+"""
 from __future__ import annotations
 
+import logging
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ModelWrapValidatorHandler,
+    StringConstraints,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+logger = logging.getLogger(__name__)
+
+MAX_LOGPROBS = 20  # as SamplingParams
 
 
 def random_id(prefix: str) -> str:
@@ -17,8 +35,77 @@ def now() -> int:
 
 
 class OpenAIBaseModel(BaseModel):
-    # Fields the API defines but this server does not use (user, metadata, ...) are ignored.
     model_config = ConfigDict(extra="ignore")
+
+
+# Unknown field names already logged; bounded, since clients choose the names.
+_warned_fields: set[tuple[str, str]] = set()
+MAX_WARNED_FIELDS = 1000
+
+
+class RequestModel(OpenAIBaseModel):
+    """A request body or a part of one: strict types, finite numbers, unknown fields logged."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _warn_unknown_fields(cls, data: Any, handler: ModelWrapValidatorHandler) -> Any:
+        result = handler(data)
+        if isinstance(data, dict) and len(_warned_fields) < MAX_WARNED_FIELDS:
+            new = sorted(name for name in data.keys() - cls.model_fields.keys()
+                         if (cls.__name__, name) not in _warned_fields)
+            if new:
+                room = MAX_WARNED_FIELDS - len(_warned_fields)
+                _warned_fields.update((cls.__name__, name) for name in new[:room])
+                shown = ", ".join(map(repr, new[:10])) + (" ..." if len(new) > 10 else "")
+                logger.warning("%s: ignoring the unknown field(s) %s (logged once per field)",
+                               cls.__name__, shown)
+        return result
+
+
+class RequestBody(RequestModel):
+    """A whole request body: text anywhere in it must be valid Unicode (no lone surrogate,
+    which JSON's \\ud800 escapes can carry and no tokenizer or UTF-8 encoder accepts)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_unicode(cls, data: Any) -> Any:
+        path = _lone_surrogate(data, ())
+        if path is not None:
+            where = ".".join(map(str, path)) or "body"
+            raise PydanticCustomError(
+                "lone_surrogate", "{where} contains a lone surrogate, which is not valid Unicode",
+                {"where": where},
+            )
+        return data
+
+
+def _lone_surrogate(value: Any, path: tuple) -> tuple | None:
+    """The path of the first string (or key) that cannot be encoded as UTF-8, if any."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found = _lone_surrogate(key, (*path, "key")) or _lone_surrogate(item, (*path, key))
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _lone_surrogate(item, (*path, i))
+            if found is not None:
+                return found
+    return None
+
+
+NonEmptyStr = Annotated[str, StringConstraints(min_length=1)]
+TokenId = Annotated[int, Field(ge=0)]
+TokenIdKey = Annotated[str, StringConstraints(pattern=r"^[0-9]+$")]
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 
 
 # ---- errors ----
@@ -38,7 +125,7 @@ class ErrorResponse(OpenAIBaseModel):
 # ---- shared pieces ----
 
 
-class StreamOptions(OpenAIBaseModel):
+class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
@@ -48,26 +135,26 @@ class UsageInfo(OpenAIBaseModel):
     total_tokens: int = 0
 
 
-class SamplingFields(OpenAIBaseModel):
-    """Sampling parameters both endpoints accept; values are checked by SamplingParams."""
+class SamplingFields(RequestBody):
+    """Sampling parameters both endpoints accept; SamplingParams checks them again."""
 
     model: str | None = None
-    n: int = 1
-    best_of: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    n: int = Field(1, ge=1)
+    best_of: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    seed: Int64 | None = None
+    stop: NonEmptyStr | list[NonEmptyStr] | None = None
+    stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    logit_bias: dict[TokenIdKey, Annotated[float, Field(ge=-100, le=100)]] | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: int = Field(0, ge=0)
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -79,10 +166,16 @@ class SamplingFields(OpenAIBaseModel):
 
 class CompletionRequest(SamplingFields):
     # A string, a batch of strings, token ids, or a batch of token id lists.
-    prompt: list[int] | list[list[int]] | str | list[str]
-    max_tokens: int | None = 16
+    prompt: (
+        NonEmptyStr
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+        | Annotated[list[NonEmptyStr], Field(min_length=1)]
+    )
+    # None: the server's default (16 as OpenAI's, or `serve --max-tokens-default`).
+    max_tokens: int | None = Field(None, ge=1)
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
 
 
@@ -117,19 +210,74 @@ CompletionStreamResponse = CompletionResponse
 # ---- /v1/chat/completions ----
 
 
-class ChatMessage(OpenAIBaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ... go to the template
+class TextPart(RequestModel):
+    type: Literal["text"]
+    text: str
 
-    role: str
-    content: str | list[dict[str, Any]] | None = None
+
+# A message's content: a string or text parts (joined for the chat template).
+TextContent = str | list[TextPart]
+
+
+class FunctionCall(RequestModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(RequestModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class SystemMessage(RequestModel):
+    role: Literal["system"]
+    content: TextContent
+    name: str | None = None
+
+
+class DeveloperMessage(RequestModel):
+    """OpenAI's newer name for a system message; the chat template sees role "system"."""
+
+    role: Literal["developer"]
+    content: TextContent
+    name: str | None = None
+
+
+class UserMessage(RequestModel):
+    role: Literal["user"]
+    content: TextContent
+    name: str | None = None
+
+
+class AssistantMessage(RequestModel):
+    role: Literal["assistant"]
+    content: TextContent | None = None  # null when the turn only calls tools
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+class ToolMessage(RequestModel):
+    role: Literal["tool"]
+    content: TextContent
+    tool_call_id: str
+
+
+ChatMessage = Annotated[
+    Union[SystemMessage, DeveloperMessage, UserMessage, AssistantMessage, ToolMessage],
+    Field(discriminator="role"),
+]
+MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    # Neither set: the server's default (the rest of the context, as vLLM's, or
+    # `serve --max-tokens-default`).
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
 
 
@@ -207,12 +355,20 @@ class ModelList(OpenAIBaseModel):
     data: list[ModelCard]
 
 
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeCompletionRequest(RequestBody):
     model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_generation_prompt: bool = True
+    prompt: str
     add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(RequestBody):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+
+
+# A text, or a conversation through the chat template (as vLLM's /tokenize).
+TokenizeRequest = Union[TokenizeCompletionRequest, TokenizeChatRequest]
 
 
 class TokenizeResponse(OpenAIBaseModel):
@@ -221,10 +377,14 @@ class TokenizeResponse(OpenAIBaseModel):
     max_model_len: int
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 class DetokenizeResponse(OpenAIBaseModel):
     prompt: str
+
+
+class HealthResponse(OpenAIBaseModel):
+    status: Literal["ok"] = "ok"

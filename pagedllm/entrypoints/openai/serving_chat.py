@@ -1,12 +1,14 @@
 """POST /v1/chat/completions: messages through the model's chat template, SSE or not."""
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 from pagedllm.engine.async_engine import RequestStream
-from pagedllm.engine.sequence import Logprob
+from pagedllm.outputs import Logprob
 from pagedllm.entrypoints.openai.protocol import (
+    AssistantMessage,
     ChatCompletionChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -16,7 +18,10 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatResponseMessage,
     ChoiceLogprobs,
     DeltaMessage,
+    DeveloperMessage,
+    TextPart,
     TokenLogprob,
+    ToolMessage,
     TopLogprob,
     UsageInfo,
     now,
@@ -35,23 +40,62 @@ from pagedllm.entrypoints.openai.serving_engine import (
 )
 
 
-def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the chat template expects them; text parts are joined into one string."""
-    result = []
+def message_dicts(messages: list[ChatMessage], template_knows_tools: bool) -> list[dict[str, Any]]:
+    """Messages as chat templates expect them: text parts joined into one string, a null
+    content as "", a developer message as a system one.
+
+    Tool calls go to a template that renders them (one that mentions `tool_calls`) as
+    Hugging Face templates take them: the arguments as a dict. A template that knows no tools
+    gets them as text, in the Hermes format that Qwen's and Hermes' templates write: the
+    calls appended to the assistant's content, one `<tool_call>\n{"name": ..., "arguments":
+    ...}\n</tool_call>` each, and the results of consecutive tool messages in one user
+    message, one `<tool_response>\n...\n</tool_response>` each.
+    """
+    result: list[dict[str, Any]] = []
     for i, message in enumerate(messages):
         d = message.model_dump(exclude_none=True)
-        if isinstance(message.content, list):
-            texts = []
-            for part in message.content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise OpenAIError(
-                        f"messages[{i}].content: only text parts are supported",
-                        param=f"messages.{i}.content",
-                    )
-                texts.append(part["text"])
-            d["content"] = "".join(texts)
+        d["content"] = _text(message.content)
+        if isinstance(message, DeveloperMessage):
+            d["role"] = "system"
+        elif isinstance(message, AssistantMessage) and message.tool_calls:
+            calls = [{"name": c.function.name, "arguments": _arguments(c.function.arguments)}
+                     for c in message.tool_calls]
+            if template_knows_tools:
+                for call, parsed in zip(d["tool_calls"], calls):
+                    call["function"]["arguments"] = parsed["arguments"]
+            else:
+                del d["tool_calls"]
+                blocks = [f"<tool_call>\n{json.dumps(c, ensure_ascii=False)}\n</tool_call>"
+                          for c in calls]
+                d["content"] = "\n".join(filter(None, [d["content"], *blocks]))
+        elif isinstance(message, ToolMessage) and not template_knows_tools:
+            response = f"<tool_response>\n{d['content']}\n</tool_response>"
+            if i > 0 and isinstance(messages[i - 1], ToolMessage):
+                result[-1]["content"] += "\n" + response
+                continue
+            d = {"role": "user", "content": response}
         result.append(d)
     return result
+
+
+def _text(content: str | list[TextPart] | None) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part.text for part in content)
+
+
+def _arguments(arguments: str) -> Any:
+    """A call's arguments as JSON data where they parse (templates dump them), else as sent."""
+    try:
+        return json.loads(arguments) if arguments.strip() else {}
+    except ValueError:
+        return arguments
+
+
+def knows_tools(chat_template: Any) -> bool:
+    return isinstance(chat_template, str) and "tool_calls" in chat_template
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -59,22 +103,25 @@ class OpenAIServingChat(OpenAIServing):
         self, messages: list[ChatMessage], add_generation_prompt: bool = True
     ) -> list[int]:
         """The conversation through the chat template, as token ids (the template already
-        wrote the special tokens, so none are added), exactly as LLM.chat does."""
-        dicts = message_dicts(messages)
+        wrote the special tokens, so none are added), exactly as LLM.chat does. On the
+        tokenizer's thread; a text too long for the context is refused before tokenizing."""
         engine = self.engine.engine
+        tokenizer = self.tokenizer.tokenizer
+        template = getattr(tokenizer, "chat_template", None)
+        dicts = message_dicts(messages, knows_tools(template))
 
-        def render() -> list[int]:
-            text = engine.apply_chat_template(dicts, add_generation_prompt)
-            return engine.tokenizer.encode(text, add_special_tokens=False)
+        def render() -> str:
+            return engine.apply_chat_template(dicts, add_generation_prompt)
 
         try:
-            return await self.engine.run_in_engine_thread(render)
+            text = await self.tokenizer.run(render)
         except (ValueError, TypeError, KeyError) as exc:
             raise OpenAIError(f"cannot apply the chat template: {exc}", param="messages") from None
         except Exception as exc:  # jinja2 errors raised by the template itself
             if type(exc).__module__.startswith("jinja2"):
                 raise OpenAIError(f"chat template error: {exc}", param="messages") from None
             raise
+        return await self.tokenizer.encode(text, add_special_tokens=False, param="messages")
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest
@@ -82,15 +129,21 @@ class OpenAIServingChat(OpenAIServing):
         self.check_model(request.model)
         if request.top_logprobs is not None and not request.logprobs:
             raise OpenAIError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        max_tokens = request.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = request.max_tokens
+        server_default = max_tokens is None
+        if server_default:  # None: the rest of the context, as vLLM
+            max_tokens = self.max_tokens_default
         params = self.sampling_params(
             request,
-            max_tokens=request.max_completion_tokens
-            if request.max_completion_tokens is not None else request.max_tokens,
+            max_tokens=max_tokens,
             logprobs=(request.top_logprobs or 0) if request.logprobs else None,
         )
         prompt = await self.render_prompt(request.messages, request.add_generation_prompt)
         request_id = random_id("chatcmpl")
-        streams = await self.add_requests([prompt], params, request_id)
+        streams = await self.add_requests([prompt], params, request_id,
+                                          server_default=server_default)
         if request.stream:
             return SSEResponse(self._stream(request, request_id, streams), streams)
         (out,) = await final_outputs(streams)

@@ -5,7 +5,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from pagedllm.engine.async_engine import RequestStream
-from pagedllm.engine.sequence import Logprob
+from pagedllm.outputs import Logprob
 from pagedllm.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionLogProbs,
@@ -33,12 +33,13 @@ def finish_reason(output: CompletionOutput) -> Any:
     return output.finish_reason if output.finish_reason in ("stop", "length") else None
 
 
+# OpenAI's default for /v1/completions.
+COMPLETION_MAX_TOKENS = 16
+
+
 def normalise_prompts(prompt: Any) -> list[str | list[int]]:
-    if isinstance(prompt, str):
-        return [prompt]
-    if not prompt:
-        raise OpenAIError("prompt must not be empty", param="prompt")
-    if isinstance(prompt[0], int):
+    """One prompt or a batch, as a list (the schema has already refused empty ones)."""
+    if isinstance(prompt, str) or isinstance(prompt[0], int):
         return [prompt]
     return list(prompt)
 
@@ -50,29 +51,39 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_model(request.model)
         if request.suffix is not None:
             raise OpenAIError("suffix is not supported", param="suffix")
-        prompts = normalise_prompts(request.prompt)
+        max_tokens = request.max_tokens
+        if max_tokens is None:
+            max_tokens = self.max_tokens_default or COMPLETION_MAX_TOKENS
         params = self.sampling_params(
             request,
-            max_tokens=request.max_tokens,
+            max_tokens=max_tokens,
             logprobs=request.logprobs,
             prompt_logprobs=request.logprobs if request.echo and request.logprobs is not None
             else None,
         )
+        prompts = normalise_prompts(request.prompt)
+        # Text is tokenized here, off the engine's thread; echo shows it as it was sent.
+        texts = [p if isinstance(p, str) else None for p in prompts]
+        token_ids = [await self.tokenizer.encode(p) if isinstance(p, str) else p
+                     for p in prompts]
         request_id = random_id("cmpl")
-        streams = await self.add_requests(prompts, params, request_id)
+        streams = await self.add_requests(
+            token_ids, params, request_id,
+            server_default=request.max_tokens is None and self.max_tokens_default is not None)
         if request.stream:
-            return SSEResponse(self._stream(request, request_id, streams), streams)
+            return SSEResponse(self._stream(request, request_id, streams, texts), streams)
         outputs = await final_outputs(streams)
-        return self._response(request, request_id, outputs)
+        return self._response(request, request_id, outputs, texts)
 
     def _response(
-        self, request: CompletionRequest, request_id: str, outputs: list[RequestOutput]
+        self, request: CompletionRequest, request_id: str, outputs: list[RequestOutput],
+        texts: list[str | None],
     ) -> CompletionResponse:
         choices: list[CompletionChoice] = []
         usage = UsageInfo()
-        for out in outputs:
+        for out, text in zip(outputs, texts):
             usage.prompt_tokens += len(out.prompt_token_ids)
-            prompt_text = self._prompt_text(out) if request.echo else ""
+            prompt_text = self._prompt_text(out, text) if request.echo else ""
             for o in out.outputs:
                 usage.completion_tokens += len(o.token_ids)
                 logprobs = None
@@ -96,7 +107,8 @@ class OpenAIServingCompletion(OpenAIServing):
         )
 
     async def _stream(
-        self, request: CompletionRequest, request_id: str, streams: list[RequestStream]
+        self, request: CompletionRequest, request_id: str, streams: list[RequestStream],
+        texts: list[str | None],
     ) -> AsyncIterator[str]:
         created = now()
         n = request.n
@@ -117,7 +129,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         if j == 0:
                             prompt_tokens += len(out.prompt_token_ids)
                         sent_tokens[index], sent_chars[index] = 0, 0
-                        prefix = self._prompt_text(out) if request.echo else ""
+                        prefix = self._prompt_text(out, texts[i]) if request.echo else ""
                     else:
                         prefix = ""
                     delta_text, delta_ids = out.deltas[j] if j < len(out.deltas) else ("", [])
@@ -161,9 +173,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 stream.abort()
         yield SSE_DONE
 
-    def _prompt_text(self, out: RequestOutput) -> str:
-        if out.prompt is not None:
-            return out.prompt
+    def _prompt_text(self, out: RequestOutput, text: str | None) -> str:
+        if text is not None:
+            return text
         tokenizer = self.engine.tokenizer
         return tokenizer.decode(out.prompt_token_ids) if tokenizer is not None else ""
 

@@ -1,19 +1,23 @@
-"""What the completion and chat handlers share: errors, model check, sampling params, SSE."""
+"""What the completion and chat handlers share: errors, model check, the tokenizer's thread,
+sampling params, SSE."""
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
 from pagedllm.engine.async_engine import AsyncLLMEngine, RequestStream
-from pagedllm.engine.sequence import Logprob
+from pagedllm.outputs import Logprob
 from pagedllm.entrypoints.openai.protocol import SamplingFields
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
+
+T = TypeVar("T")
 
 
 class OpenAIError(Exception):
@@ -45,10 +49,70 @@ class OpenAIError(Exception):
         }
 
 
+class PromptTokenizer:
+    """The server's tokenizer work, on a thread of its own: never the engine's, so that a
+    huge prompt does not stall the running streams.
+
+    A text is refused before it is tokenized when it has more characters than the context
+    can hold: no token of the vocabulary is longer than `longest_token` characters, so a
+    text over max_model_len * longest_token characters has more tokens than the context.
+    One thread: huge prompts are tokenized one at a time, which bounds their memory. The
+    engine's detokenizer reads the same tokenizer meanwhile: encode and decode of a fast
+    (Rust) tokenizer only read it, and release the GIL while they work.
+    """
+
+    def __init__(self, tokenizer: Any, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.longest_token = longest_token_chars(tokenizer) if tokenizer is not None else 0
+        self.max_chars = max_model_len * self.longest_token
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-tokenizer")
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def check_length(self, text: str, param: str | None = "prompt") -> None:
+        if len(text) > self.max_chars:
+            raise OpenAIError(
+                f"the prompt has {len(text)} characters, but the model's context "
+                f"is {self.max_model_len} tokens and no token is longer than "
+                f"{self.longest_token} characters (at most {self.max_chars} characters)",
+                param=param,
+            )
+
+    async def encode(self, text: str, add_special_tokens: bool = True,
+                     param: str | None = "prompt") -> list[int]:
+        if self.tokenizer is None:
+            raise OpenAIError("this model has no tokenizer: pass the prompt as token ids",
+                              param=param)
+        self.check_length(text, param)
+        return await self.run(lambda: self.tokenizer.encode(
+            text, add_special_tokens=add_special_tokens))
+
+    async def decode(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            raise OpenAIError("this model has no tokenizer")
+        return await self.run(self.tokenizer.decode, token_ids)
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """Characters of the vocabulary's longest token as the tokenizer spells it (byte-level
+    and SentencePiece spellings are never shorter than the text they stand for)."""
+    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return max(len(t) for t in tokens if t is not None)
+
+
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine) -> None:
+    def __init__(self, engine: AsyncLLMEngine, tokenizer: PromptTokenizer,
+                 max_tokens_default: int | None = None) -> None:
         self.engine = engine
         self.model_name = engine.model_name
+        self.tokenizer = tokenizer
+        # max_tokens of a request that sets none (None: each endpoint's own default).
+        self.max_tokens_default = max_tokens_default
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -104,13 +168,24 @@ class OpenAIServing:
         return tokenizer.decode([token_id]) if tokenizer is not None else f"<{token_id}>"
 
     async def add_requests(
-        self, prompts: Sequence[str | list[int]], params: SamplingParams, request_id: str
+        self, prompts: Sequence[list[int]], params: SamplingParams, request_id: str,
+        server_default: bool = False,
     ) -> list[RequestStream]:
-        """Queue every prompt; on a rejected one, abort those already queued and raise 400."""
+        """Queue every prompt; on a rejected one, abort those already queued and raise 400.
+
+        server_default: params.max_tokens is --max-tokens-default, not the client's: it is
+        capped to the room the context leaves each prompt instead of failing the request.
+        """
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
-                streams.append(await self.engine.add_request(prompt, params, f"{request_id}-{i}"))
+                prompt_params = params
+                room = self.engine.max_model_len - len(prompt)
+                if server_default and params.max_tokens is not None and room < params.max_tokens:
+                    prompt_params = params.clone()
+                    prompt_params.max_tokens = max(1, room)
+                streams.append(await self.engine.add_request(prompt, prompt_params,
+                                                             f"{request_id}-{i}"))
         except ValueError as exc:
             for stream in streams:
                 stream.abort()

@@ -2,8 +2,9 @@
 straight from the paged cache, RMSNorm with the residual add, rotary embedding in place, and
 the gated MLP activation. fp32 only.
 
-The pure-torch code (kernels/reference.py, layers/) stays the oracle in tests and the path
-wherever these do not apply: other dtypes, no C compiler, PAGEDLLM_CPU_KERNELS=0.
+The pure-torch code (kernels/reference.py) stays the oracle in tests and the path wherever
+these do not apply (layers/dispatch.py chooses): other dtypes, no C compiler,
+PAGEDLLM_CPU_KERNELS=0.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import functools
 import torch
 
 from pagedllm.kernels.cpu.build import load_library
-from pagedllm.layers.metadata import PagedAttentionInputMetadata
+from pagedllm.kernels.metadata import PagedAttentionInputMetadata
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
@@ -37,10 +38,9 @@ def _kernel(name: str):
     return fn
 
 
-def applies(*tensors: torch.Tensor) -> bool:
-    """The C kernels take these tensors: all fp32 on the CPU, and the library is built."""
-    return (all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
-            and load_library() is not None)
+def available() -> bool:
+    """The library is built (or was already): the C kernels can run."""
+    return load_library() is not None
 
 
 def _ptr_or_none(t: torch.Tensor | None) -> int | None:

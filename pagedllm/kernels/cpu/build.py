@@ -19,7 +19,7 @@ import os
 import platform
 import shutil
 import subprocess
-import tempfile
+import time
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -30,6 +30,7 @@ HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 # (explicit FMA intrinsics still fuse).
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fopenmp", "-fPIC",
          "-shared", "-std=c11"]
+TMP_SUFFIX = ".so.tmp"
 
 
 def cache_dir() -> Path:
@@ -63,18 +64,41 @@ def _library_path(compiler: str) -> Path:
 
 def _build(compiler: str, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_builds(target.parent)
     # Build beside the target, then rename: processes building at once never load a torn file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
+    # The name carries our pid, so a build killed half-way (kill -9) is cleaned up later.
+    tmp = target.parent / f"{target.stem}.{os.getpid()}{TMP_SUFFIX}"
     try:
-        cmd = [compiler, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"]
+        cmd = [compiler, *FLAGS, *map(str, SOURCES), "-o", str(tmp), "-lm"]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"`{' '.join(cmd)}` failed:\n{result.stderr.strip()}")
         os.replace(tmp, target)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        tmp.unlink(missing_ok=True)
+
+
+def _remove_stale_builds(folder: Path) -> None:
+    """Delete the temp files of builds whose process is gone or that are over an hour old
+    (tmp*.so, the temp names of earlier versions, carry no pid: by age only)."""
+    for path in [*folder.glob(f"*{TMP_SUFFIX}"), *folder.glob("tmp*.so")]:
+        pid = path.name.removesuffix(TMP_SUFFIX).rpartition(".")[2]
+        try:
+            dead = pid.isdigit() and not _process_alive(int(pid))
+            if dead or time.time() - path.stat().st_mtime > 3600:
+                path.unlink()
+        except OSError:  # removed by another process meanwhile
+            pass
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
 
 
 @functools.cache

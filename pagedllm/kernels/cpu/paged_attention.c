@@ -7,7 +7,7 @@
  * share every key and value row they read (grouped-query attention). One OpenMP task per
  * sequence; fp32 accumulation throughout.
  *
- * Layout (see layers/metadata.py): key_cache and value_cache [num_blocks, block_size,
+ * Layout (see kernels/metadata.py): key_cache and value_cache [num_blocks, block_size,
  * num_kv_heads, head_dim]; query and out [num_seqs, num_heads, head_dim], one query token
  * per sequence at position seq_lens[s] - 1; block_tables [num_seqs, table_stride].
  */

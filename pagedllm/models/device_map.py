@@ -1,12 +1,13 @@
-"""DeviceMap: which device holds each decoder layer.
+"""DeviceMap: which device holds each decoder layer, and the walk that runs a model over
+its device groups (the eager forward and each group's CUDA graph both go through `walk`).
 
 A map is a list of DeviceGroups: runs of consecutive layers on one device. Spec:
 "cuda:0:20,cuda:1:12" or "cuda:0:20,cpu:12" (DEVICE:LAYERS, in layer order), or "auto"
-(see plan_auto). The embedding sits with the first group; the final norm and LM head with
-the last. Groups stay distinct even on one physical device ("cpu:10,cpu:10,cpu:10" has three
-groups, three caches, three metadata objects and two boundaries), which is how CI exercises
-the multi-device path without GPUs; a move onto the device a tensor is already on copies no
-data, so real copies happen once per distinct device.
+(the worker's placement plans it: worker/placement.py). The embedding sits with the first
+group; the final norm and LM head with the last. Groups stay distinct even on one physical
+device ("cpu:10,cpu:10,cpu:10" has three groups, three caches, three metadata objects and two
+boundaries), which is how CI exercises the multi-device path without GPUs; a move onto the
+device a tensor is already on copies no data, so real copies happen once per distinct device.
 
 Every move of hidden states or input metadata between groups goes through
 DeviceMap.transfer, so there is one place to read (and, in tests, to count) them.
@@ -14,19 +15,16 @@ DeviceMap.transfer, so there is one place to read (and, in tests, to count) them
 from __future__ import annotations
 
 import contextlib
-
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
-from torch import nn
 
-from pagedllm.layers.metadata import PagedAttentionInputMetadata
-from pagedllm.worker.memory import module_bytes
+from pagedllm.kernels.metadata import PagedAttentionInputMetadata
 
 T = TypeVar("T")
-GiB, MiB = 1 << 30, 1 << 20
+S = TypeVar("S")
 
 
 @dataclass(frozen=True)
@@ -128,20 +126,19 @@ class DeviceMap:
         return ",".join(f"{g.device}:{g.num_layers}" for g in self.groups)
 
     # -------------------------------------------------------------- execution
-    def run_model(self, model: nn.Module, input_ids: torch.Tensor, kv_caches: list[torch.Tensor],
-                  metadata) -> torch.Tensor:
-        """A model's forward, group by group: embed, each group's layers on its device (the
-        state crosses devices only at a boundary), the final norm. The model provides
-        embed(ids) -> state, run_layers(layers, state, kv_caches, meta) -> state and
-        final_norm(state) -> hidden, where a state is a tuple of tensors (or None)."""
-        state = model.embed(input_ids)
-        for group, meta in zip(self.groups, self.distribute(metadata)):
-            if group.index > 0:  # a boundary of the map: the only place hidden states move
-                state = self.transfer(state, group)
+    def walk(self, state: S, run_group: Callable[[DeviceGroup, S], S],
+             cross: Callable[[S, DeviceGroup], S] | None = None) -> S:
+        """Run the groups in layer order: at each boundary `cross(state, group)` brings the
+        state onto the next group (default: `transfer`; the only place a forward's state
+        moves between devices), then `run_group(group, state)` runs with the group's device
+        current (Triton launches on the current CUDA device, whatever its tensors' device)."""
+        cross = cross or self.transfer
+        for group in self.groups:
+            if group.index > 0:
+                state = cross(state, group)
             with on_device(group.device):
-                state = model.run_layers(group.layers, state, kv_caches, meta)
-        with on_device(self.output_device):  # the final norm may be a Triton kernel too
-            return model.final_norm(state)
+                state = run_group(group, state)
+        return state
 
     # -------------------------------------------------------------- transfers
     def distribute(
@@ -204,139 +201,6 @@ def check_device(name: str) -> torch.device:
     if device.type != "cpu":
         raise ValueError(f"device map names an unsupported device {name!r} (use cuda:N or cpu)")
     return device
-
-
-# ------------------------------------------------------------------ placement
-@dataclass
-class WeightSizes:
-    """Bytes of the model's weights, as placement sees them."""
-
-    layer_bytes: list[int]  # each decoder layer
-    embed_bytes: int  # sits with the first layer
-    head_bytes: int  # final norm and LM head, with the last layer
-
-    @classmethod
-    def of(cls, model: nn.Module) -> "WeightSizes":
-        """Works on a model still on the meta device."""
-        return cls(
-            [module_bytes(layer) for layer in model.layers],
-            module_bytes(model.embed_tokens),
-            sum(module_bytes(m) for m in _head_modules(model)),
-        )
-
-    def per_group(self, device_map: DeviceMap) -> list[int]:
-        sizes = [sum(self.layer_bytes[i] for i in g.layers) for g in device_map.groups]
-        sizes[0] += self.embed_bytes
-        sizes[-1] += self.head_bytes
-        return sizes
-
-    def per_device(self, device_map: DeviceMap) -> dict[torch.device, int]:
-        sizes = {d: 0 for d in device_map.devices}
-        for g, n in zip(device_map.groups, self.per_group(device_map)):
-            sizes[g.device] += n
-        return sizes
-
-
-def _head_modules(model: nn.Module) -> list[nn.Module]:
-    return [model.norm] + ([model.lm_head] if model.lm_head is not None else [])
-
-
-def place_model(model: nn.Module, device_map: DeviceMap) -> None:
-    """Materialise a meta-device model on the map's devices (weights still to be loaded)."""
-    for g in device_map.groups:
-        for i in g.layers:
-            model.layers[i].to_empty(device=g.device)
-    model.embed_tokens.to_empty(device=device_map.input_device)
-    for m in _head_modules(model):
-        m.to_empty(device=device_map.output_device)
-    model.device_map = device_map
-
-
-def check_weights_fit(weights: dict[torch.device, int], free: dict[torch.device, int]) -> None:
-    """A clear error, before any allocation, when a device cannot hold its weights."""
-    for device, need in weights.items():
-        if need > free[device]:
-            raise ValueError(
-                f"device map puts {need / GiB:.2f} GiB of weights on {device}, which has "
-                f"{free[device] / GiB:.2f} GiB free"
-            )
-
-
-def describe(device_map: DeviceMap, weights: list[int], kv_bytes: list[int],
-             free: dict[torch.device, int]) -> list[str]:
-    """One line per group for the startup log."""
-    return [
-        f"device group {g.index} on {g.device}: layers {g.start}-{g.end - 1} ({g.num_layers}), "
-        f"weights {w / MiB:.1f} MiB, KV cache {kv / MiB:.1f} MiB; {g.device} has "
-        f"{free[g.device] / GiB:.2f} GiB free"
-        for g, w, kv in zip(device_map.groups, weights, kv_bytes)
-    ]
-
-
-@dataclass
-class PlacementInputs:
-    """What plan_auto needs to know, all in bytes."""
-
-    weights: WeightSizes
-    kv_block_bytes: int  # one KV block of one layer
-    activation_peak: int  # working memory of a forward, on every device that holds layers
-    min_blocks: int  # the smallest useful shared KV cache, in blocks
-
-
-def plan_auto(free_memory: Sequence[tuple[torch.device, int]], p: PlacementInputs) -> DeviceMap:
-    """Place layers by the usable memory of each device (given in fill order, CPU last).
-
-    Devices are filled in order; each reserves its weights, the KV blocks of its layers and
-    an activation peak. All devices share one block count, so the accelerators get the
-    largest block count at which they hold every layer (which spreads layers as far as that
-    pays). Only where the accelerators cannot hold the model with `min_blocks` does the CPU
-    take the rest.
-    """
-    accelerators = [(d, f) for d, f in free_memory if d.type != "cpu"]
-    if accelerators and _fill(accelerators, p, p.min_blocks) is not None:
-        lo, hi = p.min_blocks, max(f for _, f in accelerators) // max(p.kv_block_bytes, 1)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if _fill(accelerators, p, mid) is not None:
-                lo = mid
-            else:
-                hi = mid - 1
-        return DeviceMap.from_counts(_fill(accelerators, p, lo))
-    counts = _fill(free_memory, p, p.min_blocks)
-    if counts is None:
-        shown = ", ".join(f"{d} {f / GiB:.2f} GiB" for d, f in free_memory)
-        w = p.weights
-        need = sum(w.layer_bytes) + w.embed_bytes + w.head_bytes
-        raise ValueError(
-            f"device map 'auto' cannot fit the model: {need / GiB:.2f} GiB of weights plus a "
-            f"KV cache of {p.min_blocks} blocks and activations, with usable memory {shown}"
-        )
-    return DeviceMap.from_counts(counts)
-
-
-def _fill(
-    free_memory: Sequence[tuple[torch.device, int]], p: PlacementInputs, num_blocks: int
-) -> list[tuple[torch.device, int]] | None:
-    """Greedy in device order; None when some layers are left over."""
-    w = p.weights
-    num_layers = len(w.layer_bytes)
-    counts, start = [], 0
-    for device, free in free_memory:
-        used = p.activation_peak + (w.embed_bytes if start == 0 else 0)
-        end = start
-        while end < num_layers:
-            cost = w.layer_bytes[end] + num_blocks * p.kv_block_bytes
-            cost += w.head_bytes if end == num_layers - 1 else 0
-            if used + cost > free:
-                break
-            used += cost
-            end += 1
-        if end > start:
-            counts.append((device, end - start))
-            start = end
-        if start == num_layers:
-            return counts
-    return None
 
 
 def on_device(device: torch.device):

@@ -1,0 +1,123 @@
+"""EngineArgs: every engine option in one dataclass, shared by LLM(...) and the CLI.
+
+Each field is one CLI flag, `--field-name`, generated from the field itself: its default,
+its type (a bool gives `--flag` and `--no-flag`; a field that also takes a string, such as
+"a,b" per device, is passed through as text), its choices and its help. Nothing about an
+option is written twice.
+"""
+from __future__ import annotations
+
+import argparse
+import types
+import typing
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
+
+from pagedllm.config import DTYPES, LOAD_FORMATS, PREEMPTION_MODES, QUANTIZATIONS
+
+
+def option(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    """A field of EngineArgs with what its CLI flag shows."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = option(
+        None, "GGUF file, HF model directory, hub id, or preset name with --load-format dummy "
+        "(default: SmolLM2-135M-Instruct)")
+    tokenizer: str | None = option(None, "tokenizer directory or hub id (default: the model's)")
+    load_format: str = option("auto", "how to read --model", LOAD_FORMATS)
+    served_model_name: str | None = option(
+        None, "the model name the server answers to (default: from the model)")
+    dtype: str = option("auto", "weights and activations; auto: float32 on the CPU, "
+                        "bfloat16 on CUDA", DTYPES)
+    quantization: str | None = option(
+        None, "gguf: keep a GGUF file's quantized blocks on the CPU (the default for GGUF "
+        "files on the CPU with --dtype auto; --dtype float32 dequantizes them); fp8: FP8 "
+        "weights on CUDA", QUANTIZATIONS)
+    device: str = option("auto", "auto | cpu | cuda | cuda:N")
+    device_map: str | None = option(
+        None, 'layers per device, e.g. "cuda:0:20,cpu:10", or "auto" (by free memory)')
+    seed: int = option(0, "seed of the random weights of --load-format dummy")
+    block_size: int = option(16, "tokens per KV-cache block")
+    enable_prefix_caching: bool = option(True, "reuse the KV of prompt prefixes already computed")
+    max_num_seqs: int = option(256, "most sequences in one step")
+    max_num_batched_tokens: int | None = option(
+        None, "most tokens in one step (default: 2048 on the CPU, 8192 on CUDA)")
+    max_model_len: int | None = option(None, "context length (default: the model's)")
+    enable_chunked_prefill: bool = option(
+        True, "split prompts longer than the step's token budget over several steps")
+    preemption_mode: str = option(
+        "recompute", "what a preempted request loses: its KV (recompute) or nothing (swap, "
+        "to host memory)", PREEMPTION_MODES)
+    kv_cache_memory: int | str | None = option(
+        None, "bytes for the KV cache on the CPU (e.g. 2e9), or one value per device "
+        "(default: a quarter of free RAM, up to 2 GiB)")
+    gpu_memory_utilization: float | str = option(
+        0.9, "share of each CUDA device the engine may use, or one value per device")
+    swap_space: float = option(1.0, "GiB of host memory for swapped-out blocks")
+    num_gpu_blocks_override: int | None = option(
+        None, "KV-cache blocks to allocate, instead of profiling memory")
+    enforce_eager: bool = option(False, "no CUDA graphs")
+    num_scheduler_steps: int | None = option(
+        None, "decode steps per scheduling step, samples fed to the next step on the device "
+        "(default: 8 on CUDA, 1 on the CPU)")
+    disable_log_stats: bool = option(
+        True, "no periodic log line of the server's load (running and waiting requests, KV "
+        "cache use); --no-disable-log-stats logs one every 10 s")
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, "
+                             f"got {self.quantization!r}")
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two up to 128, got {self.block_size}")
+        if self.num_scheduler_steps is not None and (
+            isinstance(self.num_scheduler_steps, bool)
+            or not isinstance(self.num_scheduler_steps, int) or self.num_scheduler_steps < 1
+        ):
+            raise ValueError(
+                f"num_scheduler_steps must be an integer >= 1, got {self.num_scheduler_steps!r}"
+            )
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}"
+            )
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """One flag per field (see the module docstring), in an "engine" group."""
+        group = parser.add_argument_group("engine")
+        hints = typing.get_type_hints(EngineArgs)
+        for f in fields(EngineArgs):
+            assert f.default is not MISSING, f"EngineArgs.{f.name} needs a default"
+            flag = "--" + f.name.replace("_", "-")
+            kind = _cli_type(hints[f.name])
+            kwargs: dict[str, Any] = dict(default=f.default, help=f.metadata["help"])
+            if kind is bool:
+                kwargs["action"] = argparse.BooleanOptionalAction
+                kwargs["help"] += f" (default: {'on' if f.default else 'off'})"
+            else:
+                kwargs["type"] = kind
+                kwargs["choices"] = f.metadata["choices"]
+                if f.default is not None:
+                    kwargs["help"] += f" (default: {f.default})"
+            group.add_argument(flag, **kwargs)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+        kwargs: dict[str, Any] = {f.name: getattr(args, f.name) for f in fields(cls)
+                                  if hasattr(args, f.name)}
+        return cls(**kwargs)
+
+
+def _cli_type(annotation: Any) -> type:
+    """bool, int, float or str: the one type the flag parses ("a,b" per device: str)."""
+    members = [t for t in typing.get_args(annotation) if t is not type(None)]
+    if not isinstance(annotation, types.UnionType):
+        members = [annotation]
+    return members[0] if len(members) == 1 else str

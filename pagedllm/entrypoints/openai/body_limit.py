@@ -1,0 +1,61 @@
+"""A request body limit, enforced before anything parses the body: a pure ASGI middleware."""
+from __future__ import annotations
+
+from starlette.datastructures import Headers
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+DEFAULT_MAX_REQUEST_BYTES = 8 << 20
+
+
+class RequestBodyLimit:
+    """Read the whole body before the app runs, counting the bytes as they arrive (so a
+    chunked body without Content-Length is bounded too); over max_bytes, answer 413 in
+    OpenAI's error shape and close the connection, without parsing a byte of it."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await self._too_large(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before the end
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await self._too_large(scope, receive, send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body: Message | None = {"type": "http.request", "body": b"".join(chunks),
+                                "more_body": False}
+
+        async def replay() -> Message:
+            nonlocal body
+            if body is not None:
+                message, body = body, None
+                return message
+            return await receive()  # what comes after the body: the client leaving
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        error = {"error": {
+            "message": f"the request body is larger than this server's limit of "
+                       f"{self.max_bytes} bytes (`pagedllm serve --max-request-bytes`)",
+            "type": "invalid_request_error", "param": None, "code": "request_too_large",
+        }}
+        response = JSONResponse(error, status_code=413, headers={"Connection": "close"})
+        await response(scope, receive, send)
