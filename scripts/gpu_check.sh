@@ -7,7 +7,9 @@
 #   nano decode-8b throughput-8b prefix-8b
 #                  `pagedllm bench <workload>` (pagedllm/benchmarks/workloads.py)
 #   fp8            scripts/gpu_fp8_check.py (FP8 kernels at 8B shapes, greedy agreement with
-#                  bf16), then decode-8b and throughput-8b again with --quantization fp8
+#                  bf16), then decode-8b and throughput-8b again with --quantization fp8, and
+#                  scripts/gpu_fp8_accept.py judges issue 16's targets against the bf16 runs
+#                  (decode-8b fp8 >= 330 tok/s, throughput-8b fp8 >= bf16)
 #
 # Environment: OUT (log folder, default ./gpu-check-logs), PYTHON (default python3),
 # GPU_CHECK_STEPS (comma list, default all of the above), GPU_CHECK_PEERS (nano | all | 0:
@@ -21,7 +23,7 @@ REPO=$PWD
 LOGS=${OUT:-$REPO/gpu-check-logs}
 PY=${PYTHON:-python3}
 STEPS=${GPU_CHECK_STEPS:-kernels,kernel-bench,parity,nano,decode-8b,throughput-8b,prefix-8b,fp8}
-case ",$STEPS," in *",fp8,"*) STEPS="$STEPS,decode-8b-fp8,throughput-8b-fp8" ;; esac
+case ",$STEPS," in *",fp8,"*) STEPS="$STEPS,decode-8b-fp8,throughput-8b-fp8,fp8-accept" ;; esac
 WORK=$(mktemp -d /tmp/gpu-check.XXXXXX)
 mkdir -p "$LOGS"
 export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
@@ -92,6 +94,7 @@ for w in decode-8b throughput-8b; do
         --out "$WORK/$w-fp8.json" --no-peer
     [ -f "$WORK/$w-fp8.json" ] && { echo "-- $w-fp8.json"; cat "$WORK/$w-fp8.json"; } >>"$LOGS/bench.log"
 done
+run_step fp8-accept 60 "$LOGS/fp8.log" $PY scripts/gpu_fp8_accept.py "$WORK"
 
 {
     echo
@@ -103,7 +106,8 @@ done
     [ -f "$LOGS/kernel_bench.log" ] && grep -E "checks passed" "$LOGS/kernel_bench.log" \
         | sed 's/^/kernel-bench: /'
     [ -f "$LOGS/parity.log" ] && sed -n '/^check /,$p' "$LOGS/parity.log"
-    [ -f "$LOGS/fp8.log" ] && grep -E "speedup|agreement|checks" "$LOGS/fp8.log" | sed 's/^/fp8: /'
+    [ -f "$LOGS/fp8.log" ] && grep -E "speedup|agreement|checks|^decode-8b:|^throughput-8b:" \
+        "$LOGS/fp8.log" | sed 's/^/fp8: /'
     if [ -f "$LOGS/bench.log" ]; then
         echo
         grep -E "^== |KV budget|KV cache:|CUDA graph|Traceback|Error" "$LOGS/bench.log" | cut -c1-160
