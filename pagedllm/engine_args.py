@@ -63,6 +63,10 @@ class EngineArgs:
     num_scheduler_steps: int | None = option(
         None, "decode steps per scheduling step, samples fed to the next step on the device "
         "(default: 8 on CUDA, 1 on the CPU)")
+    # On the CPU the forward is synchronous: nothing to overlap.
+    async_scheduling: bool | None = option(
+        None, "launch the next decode step before reading the running one's samples, so the "
+        "host's work overlaps the device's (default: on CUDA only)")
     disable_log_stats: bool = option(
         True, "no periodic log line of the server's load (running and waiting requests, KV "
         "cache use); --no-disable-log-stats logs one every 10 s")
@@ -99,7 +103,8 @@ class EngineArgs:
             kwargs: dict[str, Any] = dict(default=f.default, help=f.metadata["help"])
             if kind is bool:
                 kwargs["action"] = argparse.BooleanOptionalAction
-                kwargs["help"] += f" (default: {'on' if f.default else 'off'})"
+                if f.default is not None:  # None: the help says what it depends on
+                    kwargs["help"] += f" (default: {'on' if f.default else 'off'})"
             else:
                 kwargs["type"] = kind
                 kwargs["choices"] = f.metadata["choices"]

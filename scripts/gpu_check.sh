@@ -10,6 +10,9 @@
 #                  bf16), then decode-8b and throughput-8b again with --quantization fp8, and
 #                  scripts/gpu_fp8_accept.py judges issue 16's targets against the bf16 runs
 #                  (decode-8b fp8 >= 330 tok/s, throughput-8b fp8 >= bf16)
+#   nano-sync decode-8b-sync throughput-8b-sync
+#                  the same with --no-async-scheduling (not in the default list: name them
+#                  in GPU_CHECK_STEPS for an on/off comparison in one run)
 #
 # Environment: OUT (log folder, default ./gpu-check-logs), PYTHON (default python3),
 # GPU_CHECK_STEPS (comma list, default all of the above), GPU_CHECK_PEERS (nano | all | 0:
@@ -81,10 +84,14 @@ PEERS=${GPU_CHECK_PEERS:-nano}
 run_step kernels 300 "$LOGS/kernels.log" $PY -m pytest -q -p no:cacheprovider tests/test_kernels.py
 run_step kernel-bench 300 "$LOGS/kernel_bench.log" $PY scripts/gpu_kernel_bench.py
 run_step parity 420 "$LOGS/parity.log" $PY scripts/gpu_parity.py --out "$LOGS/parity.json"
-for w in nano decode-8b throughput-8b prefix-8b; do
+BENCHES="nano decode-8b throughput-8b prefix-8b nano-sync decode-8b-sync throughput-8b-sync"
+for w in $BENCHES; do
+    workload=${w%-sync} extra=()
+    [ "$w" != "$workload" ] && extra=(--no-async-scheduling)
     peer=(--no-peer)
     case "$PEERS,$w" in nano,nano|all,nano|all,throughput-8b|1,nano) peer=(--peer) ;; esac
-    run_step "$w" 480 "$LOGS/bench.log" $PY "$WORK/bench.py" "$w" --out "$WORK/$w.json" "${peer[@]}"
+    run_step "$w" 480 "$LOGS/bench.log" $PY "$WORK/bench.py" "$workload" --out "$WORK/$w.json" \
+        "${peer[@]}" ${extra[@]+"${extra[@]}"}
     [ -f "$WORK/$w.json" ] && { echo "-- $w.json"; cat "$WORK/$w.json"; } >>"$LOGS/bench.log"
 done
 # FP8 weights: kernel checks + agreement, then the two 8B workloads beside the bf16 runs above.
@@ -111,8 +118,7 @@ run_step fp8-accept 60 "$LOGS/fp8.log" $PY scripts/gpu_fp8_accept.py "$WORK"
     if [ -f "$LOGS/bench.log" ]; then
         echo
         grep -E "^== |KV budget|KV cache:|CUDA graph|Traceback|Error" "$LOGS/bench.log" | cut -c1-160
-        for w in nano decode-8b throughput-8b prefix-8b decode-8b-fp8 throughput-8b-fp8; do
-            # each table follows "results:"
+        for w in $BENCHES decode-8b-fp8 throughput-8b-fp8; do  # each table follows "results:"
             sed -n "/^results: .*\/$w.json/,/^== $w:/p" "$LOGS/bench.log" | sed '1s/^/\n/'
         done
     fi

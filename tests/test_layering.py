@@ -26,10 +26,6 @@ ALLOWED = {
     # The `bench` subcommand hands its arguments to the workloads, imported only when run.
     ("pagedllm.entrypoints.cli", "pagedllm.benchmarks"):
         "`pagedllm bench` runs the workloads (a lazy import in run_bench)",
-    # Issue 17 part A (branch i17a) replaces these with the plain StepBatch / StepResult of
-    # worker/inputs.py; its merge deletes both entries.
-    ("pagedllm.worker.worker", "pagedllm.engine.scheduler"): "SchedulerOutput (part A)",
-    ("pagedllm.worker.model_runner", "pagedllm.engine"): "SchedulerOutput, SequenceGroup (part A)",
 }
 
 

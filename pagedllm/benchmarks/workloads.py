@@ -137,6 +137,8 @@ def build_parser(workload: Workload) -> argparse.ArgumentParser:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--num-scheduler-steps", type=int, default=None,
                    help="decode steps per scheduling step (default: 8 on CUDA, 1 on CPU)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="overlap the host's work with the device's (default: on CUDA only)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--kv-cache-memory", default=None, help="bytes for the KV cache on the CPU")
@@ -272,7 +274,7 @@ def engine_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
         load_format=args.load_format, dtype=args.dtype, quantization=args.quantization,
         device=args.device,
         device_map=args.device_map, seed=args.seed, enforce_eager=args.enforce_eager,
-        num_scheduler_steps=args.num_scheduler_steps,
+        num_scheduler_steps=args.num_scheduler_steps, async_scheduling=args.async_scheduling,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
     )
@@ -614,7 +616,8 @@ def bench_scheduler(args: argparse.Namespace) -> Report:
     columns = [("name", "step", "{}"), ("num_seqs", "running seqs", "{:d}"),
                ("num_steps", "steps", "{:d}"), ("mean_us", "mean (us)", "{:.1f}"),
                ("p50_us", "p50 (us)", "{:.1f}"), ("p99_us", "p99 (us)", "{:.1f}"),
-               ("schedule_mean_us", "schedule() mean (us)", "{:.1f}")]
+               ("schedule_mean_us", "schedule() mean (us)", "{:.1f}"),
+               ("build_mean_us", "StepBatch build (us)", "{:.1f}")]
     summary = {"enable_prefix_caching": args.enable_prefix_caching, "block_size": args.block_size}
     return Report("scheduler", WORKLOADS["scheduler"].description, [row], summary, columns)
 

@@ -1,5 +1,6 @@
 """Worker: loads the model onto its devices, sizes the KV cache by profiling, and executes
-scheduled steps (cache swaps/copies, then the forward and sampling)."""
+step batches (cache swaps/copies, then the forward and sampling). It reads nothing of the
+engine but the plain StepBatch (worker/inputs.py)."""
 from __future__ import annotations
 
 import itertools
@@ -11,7 +12,6 @@ from torch import nn
 
 from pagedllm.config import resolve_dtype
 from pagedllm.engine_args import EngineArgs
-from pagedllm.engine.scheduler import SchedulerOutput
 from pagedllm.kernels.metadata import PagedAttentionInputMetadata, slots_for
 from pagedllm.layers.gguf_linear import unloaded_parts
 from pagedllm.loader import initialize_dummy_weights, load_model_source
@@ -25,7 +25,8 @@ from pagedllm.worker.cuda_graphs import graphs_supported
 from pagedllm.worker.placement import (
     PlacementInputs, WeightSizes, check_weights_fit, describe, place_model, plan_auto,
 )
-from pagedllm.worker.model_runner import ModelRunner, StepResult
+from pagedllm.worker.inputs import StepBatch, StepResult
+from pagedllm.worker.model_runner import ModelRunner, PendingStep
 from pagedllm.worker.quantization import (
     describe_gguf, pack_gguf_modules, quantize_fp8, resolve_quantization,
 )
@@ -77,7 +78,7 @@ class Worker:
         self.eos_token_ids = sorted(set(eos))
         self.block_size = args.block_size
         self.runner = ModelRunner(self.model, args.block_size, self.eos_token_ids,
-                                  self.device_map.layer_devices)
+                                  self.device_map.layer_devices, self.logits_device)
         if graphs_supported(self.device_map.layer_devices, args.enforce_eager):
             self.runner.enable_cuda_graphs(self.max_num_seqs, self.max_model_len,
                                            config.num_key_value_heads, config.head_dim, self.dtype)
@@ -178,9 +179,6 @@ class Worker:
         devices = [torch.device("cuda", i) for i in range(count)] + [torch.device("cpu")]
         return [(d, memory.usable_memory(d, utilization)) for d in devices]
 
-    def make_generator(self, seed: int) -> torch.Generator:
-        return torch.Generator(device=self.logits_device).manual_seed(seed)
-
     # ---------------------------------------------------------------- profiling
     def _profile_num_blocks(self, args: EngineArgs) -> int:
         devices = self.device_map.devices
@@ -238,14 +236,13 @@ class Worker:
         del caches, hidden
 
     # ---------------------------------------------------------------- execution
-    def apply_cache_ops(self, out: SchedulerOutput) -> None:
-        """Swaps and copy-on-write copies, in the order the scheduler requires."""
-        self.cache_engine.swap_out(out.blocks_to_swap_out)
-        self.cache_engine.swap_in(out.blocks_to_swap_in)
-        self.cache_engine.copy(out.blocks_to_copy)
+    def launch(self, batch: StepBatch) -> PendingStep:
+        """Apply the batch's swaps and copy-on-write copies (in the order the scheduler
+        requires), then queue its forward(s) and sampling; the result is ready at `wait()`."""
+        self.cache_engine.swap_out(batch.blocks_to_swap_out)
+        self.cache_engine.swap_in(batch.blocks_to_swap_in)
+        self.cache_engine.copy(batch.blocks_to_copy)
+        return self.runner.launch(batch, self.cache_engine.gpu_cache)
 
-    def execute(self, out: SchedulerOutput) -> StepResult:
-        return self.runner.execute(out, self.cache_engine.gpu_cache)
-
-    def execute_multi_step(self, out: SchedulerOutput, num_steps: int) -> list[StepResult]:
-        return self.runner.execute_multi_step(out, self.cache_engine.gpu_cache, num_steps)
+    def execute(self, batch: StepBatch) -> StepResult:
+        return self.launch(batch).wait()
