@@ -13,7 +13,7 @@ import typing
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-from pagedllm.config import DTYPES, LOAD_FORMATS, PREEMPTION_MODES
+from pagedllm.config import DTYPES, LOAD_FORMATS, PREEMPTION_MODES, QUANTIZATIONS
 
 
 def option(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -32,6 +32,10 @@ class EngineArgs:
         None, "the model name the server answers to (default: from the model)")
     dtype: str = option("auto", "weights and activations; auto: float32 on the CPU, "
                         "bfloat16 on CUDA", DTYPES)
+    quantization: str | None = option(
+        None, "gguf: keep a GGUF file's quantized blocks on the CPU (the default for GGUF "
+        "files on the CPU with --dtype auto; --dtype float32 dequantizes them); fp8: FP8 "
+        "weights on CUDA", QUANTIZATIONS)
     device: str = option("auto", "auto | cpu | cuda | cuda:N")
     device_map: str | None = option(
         None, 'layers per device, e.g. "cuda:0:20,cpu:10", or "auto" (by free memory)')
@@ -59,6 +63,10 @@ class EngineArgs:
     num_scheduler_steps: int | None = option(
         None, "decode steps per scheduling step, samples fed to the next step on the device "
         "(default: 8 on CUDA, 1 on the CPU)")
+    # On the CPU the forward is synchronous: nothing to overlap.
+    async_scheduling: bool | None = option(
+        None, "launch the next decode step before reading the running one's samples, so the "
+        "host's work overlaps the device's (default: on CUDA only)")
     disable_log_stats: bool = option(
         True, "no periodic log line of the server's load (running and waiting requests, KV "
         "cache use); --no-disable-log-stats logs one every 10 s")
@@ -66,6 +74,9 @@ class EngineArgs:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, "
+                             f"got {self.quantization!r}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two up to 128, got {self.block_size}")
         if self.num_scheduler_steps is not None and (
@@ -92,7 +103,8 @@ class EngineArgs:
             kwargs: dict[str, Any] = dict(default=f.default, help=f.metadata["help"])
             if kind is bool:
                 kwargs["action"] = argparse.BooleanOptionalAction
-                kwargs["help"] += f" (default: {'on' if f.default else 'off'})"
+                if f.default is not None:  # None: the help says what it depends on
+                    kwargs["help"] += f" (default: {'on' if f.default else 'off'})"
             else:
                 kwargs["type"] = kind
                 kwargs["choices"] = f.metadata["choices"]

@@ -8,6 +8,8 @@ transformers' save_pretrained and loaded like any checkpoint. Then:
 
 - 16 prompts x 32 greedy tokens: CUDA fp32 (eager and graphs) must give the CPU fp32 tokens;
 - 16 prompts with 2..32 tokens each (the batch shrinks, so replays pad to buckets): the same;
+- async scheduling (the default on CUDA) against --no-async-scheduling, fp32 graphs: the same
+  tokens;
 - bf16 on CUDA, graphs vs eager: agreement reported (a bucket's GEMMs may round differently
   from the unpadded batch's, so bf16 is not required to match token for token);
 - decode latency at batch 1, eager vs graphs.
@@ -130,12 +132,16 @@ def main() -> int:
                 r["cuda fp32 eager"] = generate(folder, prompts, lens, dtype="float32",
                                                 enforce_eager=True, **gpu)
                 r["cuda fp32 graphs"] = generate(folder, prompts, lens, dtype="float32", **gpu)
+                r["cuda fp32 graphs sync"] = generate(folder, prompts, lens, dtype="float32",
+                                                      async_scheduling=False, **gpu)
                 rows.append(compare(f"{label} cuda eager == cpu (fp32)",
                                     r["cuda fp32 eager"], r["cpu fp32"]))
                 rows.append(compare(f"{label} cuda graphs == cpu (fp32)",
                                     r["cuda fp32 graphs"], r["cpu fp32"]))
                 rows.append(compare(f"{label} cuda graphs == eager (fp32)",
                                     r["cuda fp32 graphs"], r["cuda fp32 eager"]))
+                rows.append(compare(f"{label} cuda async == sync scheduling (fp32)",
+                                    r["cuda fp32 graphs"], r["cuda fp32 graphs sync"]))
                 replays = r["cuda fp32 graphs"]["graph_replays"]
                 rows.append({"check": f"{label} graphs replayed (fp32)", "ok": replays > 0,
                              "identical_seqs": f"{replays} replays",

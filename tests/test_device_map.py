@@ -353,7 +353,7 @@ MAX_TOKENS = 16
 # every sequence at once (swap preemption); the questions share a long prefix.
 PROMPTS = OPENINGS[:5] + [SHARED_PREFIX + q for q in QUESTIONS[:3]]
 ENGINE = dict(preemption_mode="swap", num_gpu_blocks_override=10, enable_prefix_caching=True,
-              kv_cache_memory=64 << 20, swap_space=0.05)
+              kv_cache_memory=64 << 20, swap_space=0.05, dtype="float32")
 
 
 @pytest.fixture(scope="module")

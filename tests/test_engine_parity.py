@@ -55,7 +55,7 @@ CONFIGS = {
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_greedy_matches_transformers(name, prompts, reference):
-    llm = LLM(kv_cache_memory=256 << 20, **CONFIGS[name])
+    llm = LLM(kv_cache_memory=256 << 20, dtype="float32", **CONFIGS[name])
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     if name == "prefix-caching":
         # Warm the cache with one request that carries the shared prefix.

@@ -27,10 +27,6 @@ ALLOWED = {
     # and hands its arguments to them, imported only when run.
     ("pagedllm.entrypoints.cli", "pagedllm.benchmarks"):
         "`pagedllm bench` lists the workloads and runs them (a lazy import in run_bench)",
-    # Issue 17 part A (branch i17a) replaces these with the plain StepBatch / StepResult of
-    # worker/inputs.py; its merge deletes both entries.
-    ("pagedllm.worker.worker", "pagedllm.engine.scheduler"): "SchedulerOutput (part A)",
-    ("pagedllm.worker.model_runner", "pagedllm.engine"): "SchedulerOutput, SequenceGroup (part A)",
 }
 
 

@@ -150,6 +150,20 @@ def test_chat_uses_the_chat_template(default_llm):
     assert out.prompt_token_ids == default_llm.get_tokenizer().encode(template)
 
 
+def _record_multi_step_runs(engine, monkeypatch) -> list[int]:
+    """The step count of every multi-step batch the worker runs."""
+    runs: list[int] = []
+    launch = engine.worker.launch
+
+    def recording(batch):
+        if batch.num_steps > 1:
+            runs.append(batch.num_steps)
+        return launch(batch)
+
+    monkeypatch.setattr(engine.worker, "launch", recording)
+    return runs
+
+
 def test_multi_step_decoding_gives_the_single_step_results(default_llm, monkeypatch):
     """Decode steps run back to back (samples fed to the next step on the device) give the
     tokens, logprobs and stops of one scheduling step per token; samples past a stop are
@@ -164,10 +178,7 @@ def test_multi_step_decoding_gives_the_single_step_results(default_llm, monkeypa
     engine = default_llm.engine
     monkeypatch.setattr(engine, "num_scheduler_steps", 1)
     single = default_llm.generate(prompts, params, use_tqdm=False)
-    runs = []
-    execute = engine.worker.execute_multi_step
-    monkeypatch.setattr(engine.worker, "execute_multi_step",
-                        lambda out, n: runs.append(n) or execute(out, n))
+    runs = _record_multi_step_runs(engine, monkeypatch)
     monkeypatch.setattr(engine, "num_scheduler_steps", 4)
     multi = default_llm.generate(prompts, params, use_tqdm=False)
     assert runs and set(runs) == {4}
@@ -196,10 +207,7 @@ def test_multi_step_decoding_gives_the_single_step_results(default_llm, monkeypa
 def test_requests_that_read_their_own_output_decode_one_step_at_a_time(default_llm, monkeypatch):
     engine = default_llm.engine
     monkeypatch.setattr(engine, "num_scheduler_steps", 4)
-    runs = []
-    execute = engine.worker.execute_multi_step
-    monkeypatch.setattr(engine.worker, "execute_multi_step",
-                        lambda out, n: runs.append(n) or execute(out, n))
+    runs = _record_multi_step_runs(engine, monkeypatch)
     for params in (SamplingParams(temperature=0.0, max_tokens=6, repetition_penalty=1.2),
                    SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6),
                    SamplingParams(temperature=0.0, max_tokens=6, n=2)):

@@ -280,7 +280,7 @@ def test_weights_with_a_progress_bar_are_the_same_weights(tmp_path, monkeypatch)
     original = tqdm.__init__
     monkeypatch.setattr(tqdm, "__init__", lambda self, *a, **k: original(
         self, *a, **{**k, "file": shown, "delay": 0}))
-    with_bar = list(source.iter_weights(torch.float32, total))
+    with_bar = list(source.iter_weights(torch.float32, total_bytes=total))
     assert [n for n, _ in with_bar] == [n for n, _ in plain]
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(with_bar, plain))
     assert "Loading weights: 100%" in shown.getvalue()

@@ -150,7 +150,7 @@ def test_vllm_engine_arguments_with_a_meaning_here(tmp_path):
      "tensor_parallel_size=2: tensor parallelism is not supported yet"),
     (dict(pipeline_parallel_size=4), ValueError, "pipeline parallelism is not supported yet"),
     (dict(tokenizer_mode="mistral"), ValueError, "tokenizer_mode='mistral' is not supported"),
-    (dict(quantization="awq"), ValueError, "quantization='awq' is not supported"),
+    (dict(quantization="awq"), ValueError, "quantization must be one of gguf, fp8, got 'awq'"),
     (dict(cpu_offload_gb=4), TypeError, "unsupported engine argument 'cpu_offload_gb'"),
 ])
 def test_other_engine_arguments_are_rejected_by_name(kwargs, error, message):

@@ -14,13 +14,18 @@ from dataclasses import dataclass
 
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.engine_args import EngineArgs
+from pagedllm.engine.batch_builder import StepBatchBuilder
 from pagedllm.engine.detokenizer import Detokenizer, find_stop_string
-from pagedllm.engine.scheduler import ScheduledSequenceGroup, Scheduler
+from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
 from pagedllm.engine.sequence import Logprob, Sequence, SequenceGroup, SequenceStatus
 from pagedllm.layers.sampler import SampleResult
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.inputs import StepResult
+from pagedllm.worker.model_runner import PendingStep
 from pagedllm.worker.worker import Worker
+
+RUNNING = SequenceStatus.RUNNING
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +40,15 @@ class EngineStats:
     num_preemptions: int
     num_gpu_blocks: int
     block_size: int
+    weight_bytes: int = 0  # the model's weights as stored (packed GGUF / FP8 count as such)
+
+
+@dataclass
+class _InFlight:
+    """A launched step whose samples the engine has not read yet."""
+
+    out: SchedulerOutput
+    pending: PendingStep
 
 
 class LLMEngine:
@@ -70,10 +84,15 @@ class LLMEngine:
         # (LLM.generate) only wants finished requests, and text once at the end, which
         # saves a detokenization per sequence per step.
         self.stream_outputs = True
+        on_cuda = self.worker.device_map.input_device.type == "cuda"
         steps = args.num_scheduler_steps
         if steps is None:
-            steps = 8 if self.worker.device_map.input_device.type == "cuda" else 1
+            steps = 8 if on_cuda else 1
         self.num_scheduler_steps = steps
+        # On the CPU the forward runs while it is launched: nothing to overlap.
+        self.async_scheduling = on_cuda if args.async_scheduling is None else args.async_scheduling
+        self.batch_builder = StepBatchBuilder()
+        self._in_flight: _InFlight | None = None
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -97,8 +116,6 @@ class LLMEngine:
         self._check_fits_cache(ids, params, explicit_max_tokens or 1)
         seq = Sequence(next(self._seq_ids), ids, self.block_size)
         self.detokenizer.start(seq)
-        if params.seed is not None:
-            seq.generator = self.worker.make_generator(params.seed)
         group = SequenceGroup(request_id, [seq], params, prompt_text, arrival_time)
         self.requests[request_id] = group
         self.scheduler.add_seq_group(group)
@@ -155,114 +172,91 @@ class LLMEngine:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         self.scheduler.abort_seq_group(ids)
         for rid in ids:
-            self.requests.pop(rid, None)
+            group = self.requests.get(rid)
+            if group is not None:
+                self._forget(group)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_seqs()
+        return self.scheduler.has_unfinished_seqs() or self._in_flight is not None
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_seq_groups()
 
     # --------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        num_steps = self._multi_step_size()
-        out = self.scheduler.schedule()
-        if num_steps > 1 and not self._can_multi_step(out, num_steps):
-            num_steps = 1
-        outputs = [self._ignored_output(g) for g in out.ignored_seq_groups]
-        self.worker.apply_cache_ops(out)
-        if out.scheduled_seq_groups and num_steps > 1:
-            self._run_multi_step(out, num_steps, outputs)
-        elif out.scheduled_seq_groups:
-            result = self.worker.execute(out)
-            self.scheduler.on_step_done(out)
-            now = time.monotonic()
-            for scheduled in out.scheduled_seq_groups:
-                group = scheduled.seq_group
-                chunk_logprobs = result.prompt_logprobs.get(group.request_id)
-                if chunk_logprobs is not None:
-                    self._append_prompt_logprobs(group, chunk_logprobs)
-                if scheduled.do_sample:
-                    self._process_samples(scheduled, result.samples, now)
-                    if self.stream_outputs or group.is_finished():
-                        outputs.append(self._make_output(group))
-        for group in out.ignored_seq_groups:
-            self.requests.pop(group.request_id, None)
-        self.scheduler.free_finished_seq_groups()
-        for o in outputs:
-            if o.finished:
-                self.requests.pop(o.request_id, None)
+        """Schedule -> build the step batch -> the worker runs it -> update (append, fork,
+        detokenize, stop, free). With async scheduling the next decode window is launched
+        before this one's samples are read (Scheduler.schedule_continuation), so the host's
+        update overlaps the device's next forward."""
+        outputs: list[RequestOutput] = []
+        running, self._in_flight = self._in_flight, None
+        if running is None:
+            out = self.scheduler.schedule(self.num_scheduler_steps)
+            for group in out.ignored_seq_groups:
+                outputs.append(self._ignored_output(group))
+                self._forget(group)
+            if out.is_empty():
+                return outputs
+            running = self._launch(out)
+        if self.async_scheduling:
+            after = self.scheduler.schedule_continuation(running.out, self.num_scheduler_steps)
+            if after is not None:
+                self._in_flight = self._launch(after)
+        outputs += self._update(running.out, running.pending.wait())
+        for group in self.scheduler.free_finished_seq_groups():
+            self._forget(group)
         return outputs
 
-    # ------------------------------------------------------------- multi-step
-    def _multi_step_size(self) -> int:
-        """Decode steps the next scheduling step may run back to back: 1 unless every
-        running request is decoding one sequence whose sampling reads nothing of its own
-        output (penalties, a pending min_tokens), none is swapped out, and no waiting request
-        could start now (the batch is full). Capped so no sequence passes max_model_len."""
-        num_steps = self.num_scheduler_steps
-        scheduler = self.scheduler
-        if num_steps <= 1 or scheduler.swapped or not scheduler.running:
-            return 1
-        if scheduler.waiting and len(scheduler.running) < self.scheduler_config.max_num_seqs:
-            return 1
-        for group in scheduler.running:
-            if len(group.seqs_dict) != 1 or group.max_num_samples != 1:
-                return 1
-            seq = next(iter(group.seqs_dict.values()))
-            p = group.sampling_params
-            if (seq.num_uncomputed_tokens != 1 or p.has_penalties
-                    or seq.get_output_len() < p.min_tokens):
-                return 1
-            room = self.max_model_len - seq.get_len() + 1
-            if room < num_steps:
-                num_steps = room
-        return max(num_steps, 1)
+    def _launch(self, out: SchedulerOutput) -> _InFlight:
+        return _InFlight(out, self.worker.launch(self.batch_builder.build(out)))
 
-    def _can_multi_step(self, out, num_steps: int) -> bool:
-        """The schedule is the plain decode of every running request (nothing preempted,
-        copied or swapped), and the lookahead slots fit (then they are reserved)."""
-        plain = (
-            not out.ignored_seq_groups and out.num_preempted == 0 and not out.blocks_to_copy
-            and not out.blocks_to_swap_in and not out.blocks_to_swap_out
-            and len(out.scheduled_seq_groups) == len(self.scheduler.running)
-            and all(s.token_chunk_size == 1 and s.do_sample for s in out.scheduled_seq_groups)
-        )
-        return plain and self.scheduler.reserve_lookahead(out, num_steps - 1)
+    def _forget(self, group: SequenceGroup) -> None:
+        self.requests.pop(group.request_id, None)
+        self.batch_builder.free(group.seqs_dict)
 
-    def _run_multi_step(self, out, num_steps: int, outputs: list[RequestOutput]) -> None:
-        """Append each step's samples in order, up to each sequence's stop (later samples of
-        a finished sequence are dropped), then count the computed tokens."""
-        results = self.worker.execute_multi_step(out, num_steps)
+    def _update(self, out: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
+        """The one place a step's results land, in one order for single- and multi-step:
+        per sequence, its chunk counts as computed, then each step's sample is appended
+        (forking the extra samples of a first best_of sample) up to a stop, each sample
+        after the first also counting its step's token as computed; then the outputs."""
+        outputs = []
+        steps = result.samples()
         now = time.monotonic()
         for scheduled in out.scheduled_seq_groups:
             group = scheduled.seq_group
-            (seq,) = group.seqs_dict.values()  # multi-step groups hold one sequence
-            for result in results:
-                self._append(seq, result.samples[seq.seq_id][0], group)
-                if seq.is_finished():
-                    break
-            self._record_token_times(group, now)
-            if self.stream_outputs or seq.is_finished():
-                outputs.append(self._make_output(group))
-        self.scheduler.on_step_done(out, num_steps)
+            seqs = [s for s in group.seqs_dict.values() if s.status is RUNNING]
+            if not seqs:
+                continue  # finished or aborted while this step ran (async scheduling)
+            chunk_logprobs = result.prompt_logprobs.get(seqs[0].seq_id)
+            if chunk_logprobs is not None:
+                self._append_prompt_logprobs(group, chunk_logprobs)
+            for seq in seqs:
+                self.scheduler.mark_computed(seq, scheduled.token_chunk_size)
+                if not scheduled.do_sample:
+                    continue
+                samples = steps[0][seq.seq_id]
+                if len(samples) > 1:
+                    self._fork(group, seq, samples[1:])
+                self._append(seq, samples[0], group)
+                for step in steps[1:]:
+                    if seq.is_finished():
+                        break
+                    self.scheduler.mark_computed(seq, 1)  # the step's input was the sample
+                    self._append(seq, step[seq.seq_id][0], group)
+            if scheduled.do_sample:
+                self._record_token_times(group, now)
+                if self.stream_outputs or group.is_finished():
+                    outputs.append(self._make_output(group))
+        return outputs
 
-    def _process_samples(
-        self, scheduled: ScheduledSequenceGroup, samples: dict[int, list[SampleResult]], now: float
-    ) -> None:
-        group = scheduled.seq_group
-        for seq in group.get_seqs(SequenceStatus.RUNNING):
-            results = samples.get(seq.seq_id)
-            if not results:
-                continue
-            for i, extra in enumerate(results[1:], start=1):
-                child = seq.fork(next(self._seq_ids))
-                if seq.generator is not None:
-                    child.generator = self.worker.make_generator(group.sampling_params.seed + i)
-                self.scheduler.fork_seq(seq, child)
-                self._append(child, extra, group)
-            self._append(seq, results[0], group)
-        self._record_token_times(group, now)
+    def _fork(self, group: SequenceGroup, parent: Sequence, extra: list[SampleResult]) -> None:
+        """The extra samples of a first best_of/n sample become children of `parent`."""
+        seed = group.sampling_params.seed
+        for i, sample in enumerate(extra, start=1):
+            child = parent.fork(next(self._seq_ids))
+            self.scheduler.fork_seq(parent, child)
+            self.batch_builder.fork(parent, child, None if seed is None else seed + i)
+            self._append(child, sample, group)
 
     @staticmethod
     def _record_token_times(group: SequenceGroup, now: float) -> None:
@@ -287,6 +281,7 @@ class LLMEngine:
             if not (self.stream_outputs or params.stop):
                 seq.output_text = self.detokenizer.decode_all(seq, params.skip_special_tokens)
             self.scheduler.free_seq(seq)
+            self.batch_builder.free((seq.seq_id,))
 
     def _decode_one(self, token_id: int) -> str | None:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
@@ -381,16 +376,16 @@ class LLMEngine:
     # -------------------------------------------------------------------- misc
     def get_stats(self) -> EngineStats:
         s = self.scheduler
-        bm = s.block_manager
         return EngineStats(
-            num_running=len(s.running),
-            num_waiting=len(s.waiting),
-            num_swapped=len(s.swapped),
-            kv_cache_usage=bm.gpu_usage(),
-            prefix_cache_hit_rate=bm.prefix_cache_hit_rate(),
-            num_preemptions=s.stats.num_preemptions_recompute + s.stats.num_preemptions_swap,
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            num_swapped=s.num_swapped,
+            kv_cache_usage=s.gpu_cache_usage,
+            prefix_cache_hit_rate=s.prefix_cache_hit_rate,
+            num_preemptions=s.num_preemptions,
             num_gpu_blocks=self.worker.num_gpu_blocks,
             block_size=self.block_size,
+            weight_bytes=self.worker.weight_bytes,
         )
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:

@@ -13,6 +13,10 @@ With hundreds of decoding sequences this loop is on the critical path between tw
 so a step visits each running group once, reads `seqs_dict` directly instead of building
 status-filtered lists, counts running sequences only when a queue could admit more, and
 hands out the block manager's live block-number lists instead of copies.
+
+Decode windows: when every running request is a plain decode, a step may run several decode
+steps back to back (multi-step, lookahead slots reserved ahead), and with async scheduling
+the next window is scheduled while the current one still runs (`schedule_continuation`).
 """
 from __future__ import annotations
 
@@ -49,9 +53,17 @@ class SchedulerOutput:
     # next schedule() (or swap, abort, free) changes them. Read them during the step; copy
     # anything that must outlive it; never write them.
     block_tables: dict[int, list[int]] = field(default_factory=dict)
+    # Sequences whose block table a copy-on-write changed in place this step.
+    cow_seq_ids: list[int] = field(default_factory=list)
     # Finished with FINISHED_IGNORED this step: they can never fit in the KV cache.
     ignored_seq_groups: list[SequenceGroup] = field(default_factory=list)
     num_preempted: int = 0
+    # Multi-step: the decode steps run back to back (>1 only for a plain decode of every
+    # running request, with lookahead slots reserved).
+    num_steps: int = 1
+    # Async scheduling: tokens every scheduled sequence has sampled on the device in a step
+    # still running, not yet appended; this step's input starts after them.
+    num_pending_tokens: int = 0
 
     def is_empty(self) -> bool:
         return not (
@@ -180,7 +192,10 @@ class Scheduler:
 
     # ---- one step --------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, max_num_steps: int = 1) -> SchedulerOutput:
+        """The next step. With `max_num_steps > 1` it may be a multi-step decode window
+        (`out.num_steps`, see `_decode_window_size`)."""
+        num_steps = self._decode_window_size(max_num_steps) if max_num_steps > 1 else 1
         out = SchedulerOutput()
         # Swapped and waiting groups only need the running-sequence count; with both queues
         # empty (steady decoding) it is never computed. Preemption only adds to them in
@@ -191,14 +206,116 @@ class Scheduler:
             num_seqs = self._schedule_swapped(out, num_seqs)
         if out.num_preempted == 0 and not self.swapped and self.waiting:
             self._schedule_waiting(out, num_seqs)
+        if num_steps > 1 and self._is_whole_decode(out) and self.reserve_lookahead(
+                out, num_steps - 1):
+            out.num_steps = num_steps
         return out
+
+    def schedule_continuation(self, prev: SchedulerOutput, max_num_steps: int
+                              ) -> SchedulerOutput | None:
+        """Async scheduling: the step after `prev` while `prev` still runs, assuming each of
+        its sequences gets its `prev.num_steps` tokens. Only a decode window that needs
+        nothing of those tokens but their count: `prev` decoded every running request (one
+        sequence each, sampling that reads nothing of its own output), nothing is swapped
+        out, no waiting request could start, and the lookahead slots fit (then they are
+        reserved). Sequences that surely finish by length in `prev` are left out; one that
+        stops on a token or string costs one wasted step. None when the next step must wait
+        for `prev`'s samples."""
+        cfg = self.scheduler_config
+        if self.swapped or (self.waiting and len(self.running) < cfg.max_num_seqs):
+            return None
+        k = prev.num_steps
+        max_len = cfg.max_model_len
+        seqs: list[Sequence] = []
+        groups: list[SequenceGroup] = []
+        num_live = 0
+        num_steps = max_num_steps
+        for scheduled in prev.scheduled_seq_groups:
+            group = scheduled.seq_group
+            if scheduled.token_chunk_size != 1 or not scheduled.do_sample:
+                return None
+            if len(group.seqs_dict) != 1:
+                return None
+            (seq,) = group.seqs_dict.values()
+            if seq.status is not RUNNING:
+                continue  # aborted since
+            num_live += 1
+            if self._reads_own_output(group, seq):
+                return None
+            max_tokens = group.sampling_params.max_tokens
+            if (max_tokens is not None and seq.get_output_len() + k >= max_tokens) \
+                    or seq.get_len() + k >= max_len:
+                continue  # finishes by length in `prev`
+            room = max_len - (seq.get_len() + k) + 1
+            if room < num_steps:
+                num_steps = room
+            seqs.append(seq)
+            groups.append(group)
+        # Every running request is one of `prev`'s, so none waits behind the continuation.
+        if not seqs or num_live != len(self.running):
+            return None
+        if not self._reserve_lookahead(seqs, k + num_steps - 1):
+            return None
+        out = SchedulerOutput(num_steps=num_steps, num_pending_tokens=k,
+                              num_batched_tokens=len(seqs))
+        tables = self.block_manager.block_number_tables
+        for group, seq in zip(groups, seqs):
+            out.scheduled_seq_groups.append(ScheduledSequenceGroup(group, 1, True))
+            out.block_tables[seq.seq_id] = tables[seq.seq_id]
+        return out
+
+    @staticmethod
+    def _reads_own_output(group: SequenceGroup, seq: Sequence) -> bool:
+        """Sampling that needs this sequence's latest tokens on the host (penalties, a
+        pending min_tokens) or forks it (best_of/n at a first sample): such a sequence
+        decodes one step at a time."""
+        p = group.sampling_params
+        return (group.max_num_samples != 1 or p.has_penalties
+                or seq.get_output_len() < p.min_tokens)
+
+    def _decode_window_size(self, max_num_steps: int) -> int:
+        """Decode steps the next step may run back to back: 1 unless every running request
+        is decoding one sequence that `_reads_own_output` allows, none is swapped out, and
+        no waiting request could start now (the batch is full). Capped so no sequence
+        passes max_model_len."""
+        cfg = self.scheduler_config
+        if self.swapped or not self.running:
+            return 1
+        if self.waiting and len(self.running) < cfg.max_num_seqs:
+            return 1
+        num_steps = max_num_steps
+        max_len = cfg.max_model_len
+        for group in self.running:
+            if len(group.seqs_dict) != 1:
+                return 1
+            (seq,) = group.seqs_dict.values()
+            if seq.num_uncomputed_tokens != 1 or self._reads_own_output(group, seq):
+                return 1
+            room = max_len - seq.get_len() + 1
+            if room < num_steps:
+                num_steps = room
+        return max(num_steps, 1)
+
+    def _is_whole_decode(self, out: SchedulerOutput) -> bool:
+        """`out` is the plain decode of every running request: nothing preempted, copied,
+        swapped or ignored, one sampled token each."""
+        return (
+            not out.ignored_seq_groups and out.num_preempted == 0 and not out.blocks_to_copy
+            and not out.blocks_to_swap_in and not out.blocks_to_swap_out
+            and len(out.scheduled_seq_groups) == len(self.running)
+            and all(s.token_chunk_size == 1 and s.do_sample for s in out.scheduled_seq_groups)
+        )
 
     def reserve_lookahead(self, out: SchedulerOutput, num_tokens: int) -> bool:
         """Multi-step: blocks for `num_tokens` more tokens of every scheduled sequence, past
         the one this step computes. False, reserving nothing, when they do not all fit."""
+        return self._reserve_lookahead(
+            [seq for scheduled in out.scheduled_seq_groups
+             for seq in scheduled.seq_group.seqs_dict.values() if seq.status is RUNNING],
+            num_tokens)
+
+    def _reserve_lookahead(self, seqs: list[Sequence], num_tokens: int) -> bool:
         bm = self.block_manager
-        seqs = [seq for scheduled in out.scheduled_seq_groups
-                for seq in scheduled.seq_group.seqs_dict.values() if seq.status is RUNNING]
         needed = sum(bm.num_lookahead_blocks(seq, num_tokens) for seq in seqs)
         if needed > bm.get_num_free_gpu_blocks():
             return False
@@ -206,10 +323,16 @@ class Scheduler:
             bm.reserve_lookahead(seq, num_tokens)
         return True
 
+    def mark_computed(self, seq: Sequence, num_tokens: int) -> None:
+        """`num_tokens` more tokens of `seq` have K/V in the cache (their ids are known):
+        full blocks among them enter the prefix cache."""
+        seq.num_computed_tokens += num_tokens
+        self.block_manager.mark_blocks_computed(seq)
+
     def on_step_done(self, out: SchedulerOutput, num_steps: int = 1) -> None:
         """The model ran `out` (`num_steps` times in multi-step, where every chunk is one
-        decode token and the engine appended the samples first): its tokens now have K/V in
-        the cache."""
+        decode token and the samples were appended first): its tokens now have K/V in the
+        cache. (The engine calls `mark_computed` per sequence as it appends.)"""
         mark_blocks_computed = self.block_manager.mark_blocks_computed
         for scheduled in out.scheduled_seq_groups:
             chunk = scheduled.token_chunk_size * num_steps
@@ -260,6 +383,7 @@ class Scheduler:
                 copies = bm.append_slots(seq, chunk)
                 if copies:
                     out.blocks_to_copy += copies
+                    out.cow_seq_ids.append(seq.seq_id)
             tables[seq.seq_id] = bm.block_number_tables[seq.seq_id]  # the live list
         do_sample = seqs[0].num_computed_tokens + chunk == seqs[0].get_len()
         out.scheduled_seq_groups.append(ScheduledSequenceGroup(group, chunk, do_sample))
@@ -429,6 +553,10 @@ class Scheduler:
     @property
     def num_swapped(self) -> int:
         return len(self.swapped)
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.stats.num_preemptions_recompute + self.stats.num_preemptions_swap
 
     @property
     def gpu_cache_usage(self) -> float:

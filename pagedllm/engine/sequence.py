@@ -8,8 +8,6 @@ from typing import TYPE_CHECKING
 from pagedllm.outputs import Logprob, RequestMetrics, SampleLogprobs
 
 if TYPE_CHECKING:
-    import torch
-
     from pagedllm.sampling_params import SamplingParams
 
 
@@ -59,7 +57,6 @@ class Sequence:
         self.tokens: list[str] | None = None
         self.prefix_offset = 0
         self.read_offset = 0
-        self.generator: torch.Generator | None = None
         # How much text / how many tokens the last RequestOutput of this sequence carried.
         self.sent_text_len = 0
         self.sent_token_len = 0

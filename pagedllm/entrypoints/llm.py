@@ -46,17 +46,18 @@ class LLM:
 
     Engine arguments (vLLM's names and meanings): model (a .gguf file, a Hugging Face
     directory or hub id, a preset with load_format="dummy"; None: SmolLM2-135M-Instruct),
-    tokenizer, load_format, served_model_name, dtype, device, device_map, seed, block_size,
-    enable_prefix_caching, max_num_seqs, max_num_batched_tokens, max_model_len,
-    enable_chunked_prefill, preemption_mode, kv_cache_memory (kv_cache_memory_bytes),
-    gpu_memory_utilization, swap_space, num_gpu_blocks_override, enforce_eager,
-    num_scheduler_steps, disable_log_stats.
+    tokenizer, load_format, served_model_name, dtype, quantization ("gguf" | "fp8"), device,
+    device_map, seed, block_size, enable_prefix_caching, max_num_seqs,
+    max_num_batched_tokens, max_model_len, enable_chunked_prefill, preemption_mode,
+    kv_cache_memory (kv_cache_memory_bytes), gpu_memory_utilization, swap_space,
+    num_gpu_blocks_override, enforce_eager, num_scheduler_steps, async_scheduling,
+    disable_log_stats.
 
     Also accepted as vLLM code passes them: tensor_parallel_size, pipeline_parallel_size and
     data_parallel_size of 1 (more is not supported yet: device_map splits a model's layers
     across devices instead); trust_remote_code (pagedllm implements its architectures itself
-    and never runs a checkpoint's code); tokenizer_mode="auto"; quantization=None (GGUF
-    weights are read whatever their type). Any other argument is rejected by name.
+    and never runs a checkpoint's code); tokenizer_mode="auto". Any other argument is
+    rejected by name.
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
@@ -180,10 +181,6 @@ def engine_args(model: str | None = None, **kwargs: Any) -> EngineArgs:
     if mode != "auto":
         raise ValueError(f"tokenizer_mode={mode!r} is not supported (only 'auto': the "
                          "model's Hugging Face tokenizer)")
-    quantization = kwargs.pop("quantization", None)
-    if quantization is not None:
-        raise ValueError(f"quantization={quantization!r} is not supported (a GGUF file's "
-                         "quantized weights are read as they are; leave it None)")
     for old, new in _VLLM_RENAMED.items():
         if old in kwargs:
             kwargs[new] = kwargs.pop(old)

@@ -80,7 +80,7 @@ def prepack_model(model: nn.Module) -> int:
     """Pack every Linear of the model whose weight is CPU fp32, and the input embedding when
     it doubles as the LM head (tied embeddings); the number of weights packed."""
     count = sum(m.prepack() for m in model.modules() if isinstance(m, Linear))
-    if getattr(model, "lm_head", True) is None:
+    if getattr(model, "lm_head", True) is None and isinstance(model.embed_tokens, nn.Embedding):
         count += prepack_head(model)
     return count
 
@@ -98,6 +98,11 @@ def compute_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
 
     With model.pack_head_when_batched set, the first call of 2 to MAX_PACKED_ROWS rows packs
     the head first (a single sequence gains nothing from it)."""
+    head = model.lm_head if model.lm_head is not None else model.embed_tokens
+    if not isinstance(head, (nn.Linear, nn.Embedding)):  # quantized (gguf_linear, fp8_linear)
+        device = next(head.buffers()).device
+        forward = head if model.lm_head is not None else head.as_lm_head
+        return forward(hidden.to(device)).float()
     if getattr(model, "pack_head_when_batched", False) and 2 <= hidden.shape[0] <= MAX_PACKED_ROWS:
         model.pack_head_when_batched = False
         prepack_head(model)

@@ -54,7 +54,7 @@ class SampledBatch:
         out: list[list[SampleResult]] = []
         it = iter(packed)
         for row, k in zip(self.rows, self.num_top):
-            out.append([_unpack(next(it), k) for _ in range(row.num_samples)])
+            out.append([unpack_sample(next(it), k) for _ in range(row.num_samples)])
         return out
 
 
@@ -317,7 +317,7 @@ def _pack_logprobs(
     return torch.cat([c.double() for c in columns], dim=1)
 
 
-def _unpack(values: list[float], k: int) -> SampleResult:
+def unpack_sample(values: list[float], k: int) -> SampleResult:
     width = (len(values) - 3) // 2
     ids, top = values[3 : 3 + k], values[3 + width : 3 + width + k]
     return SampleResult(
@@ -349,6 +349,6 @@ def compute_prompt_logprobs(
     packed = _pack_logprobs(logits, None, token_ids, k).cpu().tolist()
     out = []
     for values in packed:
-        r = _unpack(values, k)
+        r = unpack_sample(values, k)
         out.append((r.logprob, r.rank, r.top_logprobs))
     return out

@@ -5,7 +5,7 @@ import functools
 import logging
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from pagedllm.config import ModelConfig
+from pagedllm.layers.gguf_linear import PackedWeight
 from pagedllm.loader.errors import ModelLoadError, first_line
 from pagedllm.loader.gguf_dequant import dequantize
 from pagedllm.loader.source import WeightIterator
@@ -236,10 +237,15 @@ def _can_dequantize(qtype: gguf.GGMLQuantizationType) -> bool:
 
 
 def _iter_weights(
-    path: str, plan: list[_PlannedTensor], dtype: torch.dtype
-) -> Iterator[tuple[str, torch.Tensor]]:
+    path: str, plan: list[_PlannedTensor], dtype: torch.dtype,
+    keep_packed: Collection[str] = frozenset(),
+) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
+    """Dequantized tensors, except those named in keep_packed: their blocks as stored."""
     for item in plan:
         t = item.tensor
+        if item.hf_name in keep_packed:
+            yield item.hf_name, _packed(item)
+            continue
         try:
             array = dequantize(t.data, t.tensor_type)
             # GGUF lists dimensions innermost first.
@@ -252,6 +258,25 @@ def _iter_weights(
         if not array.flags.writeable:  # a view of the read-only memory map
             array = array.copy()
         yield item.hf_name, torch.from_numpy(array).to(dtype)
+
+
+def _packed(item: _PlannedTensor) -> PackedWeight:
+    t = item.tensor
+    blocks = t.data  # [rows, row_bytes] of the memory map; rows hold whole blocks
+    if item.permute_heads is not None:  # rows move whole, so the packed rows permute as well
+        blocks = unpermute_rotary_rows(blocks, item.permute_heads)
+    return PackedWeight(int(t.tensor_type), blocks, int(t.shape[1]), int(t.shape[0]))
+
+
+def packed_tensor_types(path: str) -> dict[str, tuple[int, int, int]]:
+    """Hugging Face name -> (GGML type, rows, cols) of each 2-D tensor of a GGUF file: what
+    `--quantization gguf` can keep packed."""
+    types = {}
+    for t in open_gguf(path).tensors:
+        name = hf_tensor_name(t.name)
+        if name is not None and len(t.shape) == 2:
+            types[name] = (int(t.tensor_type), int(t.shape[1]), int(t.shape[0]))
+    return types
 
 
 def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:

@@ -1,10 +1,13 @@
-"""ModelRunner: turns a SchedulerOutput into one model forward and samples the next tokens.
+"""ModelRunner: turns a StepBatch into model forwards and samples the next tokens.
 
-Inputs are gathered once per step on the host (StepBatch), then either copied into a
-captured CUDA graph's static buffers (a decode step, see cuda_graphs.py) or built into
+It keeps the worker's own state of every sequence (SeqState: tokens, block table, sampling
+parameters, generator), built only from the batches' deltas (worker/inputs.py). Inputs are
+gathered once per step on the host (FlatBatch), then either copied into a captured CUDA
+graph's static buffers (a decode step, see cuda_graphs.py) or built into
 PagedAttentionInputMetadata on the input device (eager; the model's forward copies it once
-to each later device group). Host-to-device copies go from pinned memory without
-blocking, so the host never waits for the device before the sampler's one transfer back.
+to each later device group). Host-to-device copies go from pinned memory without blocking,
+and the samples come back in one copy that the caller waits for only when it needs them
+(PendingStep), so the engine can prepare the next step meanwhile.
 """
 from __future__ import annotations
 
@@ -13,16 +16,38 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from pagedllm.engine.scheduler import SchedulerOutput
-from pagedllm.engine.sequence import SequenceGroup, SequenceStatus
 from pagedllm.kernels.metadata import PagedAttentionInputMetadata, host_to_device, slots_for
-from pagedllm.layers.sampler import Sampler, SampleResult, SamplingRow, compute_prompt_logprobs
-from pagedllm.worker.cuda_graphs import DecodeCUDAGraphs
+from pagedllm.layers.sampler import (
+    SampledBatch, Sampler, SamplingRow, compute_prompt_logprobs, make_generator,
+)
 from pagedllm.models.device_map import DeviceMap
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.cuda_graphs import DecodeCUDAGraphs
+from pagedllm.worker.inputs import StepBatch, StepResult
+
+
+@dataclass(slots=True)
+class SeqState:
+    """What the worker knows of one sequence: what the engine sent it, nothing more."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    block_table: list[int]
+    generator: torch.Generator | None
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Token ids [start, end) of prompt + output."""
+        p = len(self.prompt_token_ids)
+        if start >= p:
+            return self.output_token_ids[start - p: end - p]
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
 
 
 @dataclass
-class StepBatch:
+class FlatBatch:
     """One step's flat batch, as host lists."""
 
     input_ids: list[int] = field(default_factory=list)
@@ -35,19 +60,21 @@ class StepBatch:
     # sampled sequence.
     logits_indices: list[int] = field(default_factory=list)
     sample_rows: list[tuple[int, SamplingRow]] = field(default_factory=list)  # (seq_id, row)
-    # request_id -> (first logits row, number of rows, the prompt tokens they predict, top-k)
-    prompt_logprob_rows: dict[str, tuple[int, int, list[int], int]] = field(default_factory=dict)
+    # seq_id -> (first logits row, number of rows, the prompt tokens they predict, top-k)
+    prompt_logprob_rows: dict[int, tuple[int, int, list[int], int]] = field(default_factory=dict)
+    # (flat index, index into the last step's samples): input ids still on the device.
+    from_last_samples: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def max_query_len(self) -> int:
         return max(self.query_lens, default=0)
 
-    def next_decode_step(self, block_size: int) -> "StepBatch":
+    def next_decode_step(self, block_size: int) -> "FlatBatch":
         """The same decode batch one token further on (multi-step): positions, context lengths
         and slots advance by one, in blocks the scheduler reserved ahead. The input ids of
         the new step are the last step's samples, still on the device."""
         positions = [p + 1 for p in self.positions]
-        return StepBatch(
+        return FlatBatch(
             input_ids=self.input_ids,  # placeholders of the right length
             positions=positions,
             slot_mapping=[t[p // block_size] * block_size + p % block_size
@@ -68,11 +95,29 @@ class ModelInput:
     metadata: dict[torch.device, PagedAttentionInputMetadata]
 
 
-@dataclass
-class StepResult:
-    samples: dict[int, list[SampleResult]]  # seq_id -> samples (best_of at a first sample)
-    # request_id -> per predicted prompt token: (logprob, rank, top-k)
-    prompt_logprobs: dict[str, list[tuple[float, int, dict[int, float]]]]
+class PendingStep:
+    """A launched step: its result is complete once `wait()` returns. On CUDA the samples
+    are copied into pinned host memory behind the step's kernels; `wait()` blocks on that
+    copy alone."""
+
+    def __init__(self, result: StepResult, sampled: torch.Tensor | None = None) -> None:
+        self._result = result
+        self._sampled = sampled
+        self._event: torch.cuda.Event | None = None
+        if sampled is not None and sampled.is_cuda:
+            with torch.cuda.device(sampled.device):
+                host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
+                host.copy_(sampled, non_blocking=True)
+                self._event = torch.cuda.Event()
+                self._event.record()
+            self._sampled = host
+
+    def wait(self) -> StepResult:
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        self._result.sampled = self._sampled
+        return self._result
 
 
 class ModelRunner:
@@ -82,13 +127,19 @@ class ModelRunner:
         block_size: int,
         eos_token_ids: list[int],
         layer_devices: list[torch.device],
+        logits_device: torch.device | None = None,
     ) -> None:
         self.model = model
         self.block_size = block_size
         self.layer_devices = layer_devices
         self.input_device = layer_devices[0]
+        self.logits_device = logits_device or layer_devices[-1]
         self.sampler = Sampler(eos_token_ids)
         self.graphs: DecodeCUDAGraphs | None = None  # set by enable_cuda_graphs
+        self.seqs: dict[int, SeqState] = {}
+        # The last launched step's samples (async scheduling reads a row's input id from
+        # them): the sampled seq ids, samples per row, and the last step's token ids.
+        self._last_sampled: tuple[list[int], list[int], torch.Tensor] | None = None
 
     def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int, num_kv_heads: int,
                            head_dim: int, dtype: torch.dtype) -> DecodeCUDAGraphs:
@@ -98,41 +149,130 @@ class ModelRunner:
                                        num_kv_heads, head_dim, dtype)
         return self.graphs
 
+    # ------------------------------------------------------------------ state
+    def _generator(self, seed: int | None) -> torch.Generator | None:
+        return None if seed is None else make_generator(seed, self.logits_device)
+
+    def apply(self, batch: StepBatch) -> None:
+        """Update the per-sequence state from the batch: new sequences, forks, freed
+        sequences, then each row's new tokens and block-table changes."""
+        seqs = self.seqs
+        for new in batch.new_seqs:
+            seqs[new.seq_id] = SeqState(new.sampling_params, list(new.prompt_token_ids), [], [],
+                                        self._generator(new.seed))
+        for fork in batch.forks:
+            parent = self._state(fork.parent_seq_id)
+            seqs[fork.child_seq_id] = SeqState(
+                parent.params, parent.prompt_token_ids, list(parent.output_token_ids),
+                list(parent.block_table), self._generator(fork.seed))
+        for seq_id in batch.freed_seq_ids:
+            seqs.pop(seq_id, None)
+        # Plain indexing in the per-row loops (they run for every sequence every step); an
+        # unknown id becomes the clear error.
+        try:
+            for seq_id, tokens in zip(batch.seq_ids, batch.new_token_ids):
+                if tokens:
+                    seqs[seq_id].output_token_ids += tokens
+            for seq_id, (start, ids) in batch.block_tables.items():
+                seqs[seq_id].block_table[start:] = ids
+        except KeyError as missing:
+            raise _unknown(missing.args[0]) from None
+
+    def _state(self, seq_id: int) -> SeqState:
+        state = self.seqs.get(seq_id)
+        if state is None:
+            raise _unknown(seq_id)
+        return state
+
     # ----------------------------------------------------------------- inputs
-    def gather(self, out: SchedulerOutput) -> StepBatch:
-        b = StepBatch()
+    def gather(self, batch: StepBatch) -> FlatBatch:
+        b = FlatBatch()
         prompt_indices: list[int] = []
         sample_indices: list[int] = []
         bs = self.block_size
-        for scheduled in out.scheduled_seq_groups:
-            group, chunk = scheduled.seq_group, scheduled.token_chunk_size
-            params = group.sampling_params
-            for seq in group.get_seqs(SequenceStatus.RUNNING):
-                start = seq.num_computed_tokens
-                table = out.block_tables[seq.seq_id]
-                first = len(b.input_ids)
-                b.input_ids += seq.token_slice(start, start + chunk)
-                b.positions += range(start, start + chunk)
-                b.slot_mapping += slots_for(table, start, start + chunk, bs)
-                b.query_lens.append(chunk)
-                b.seq_lens.append(start + chunk)
-                b.block_tables.append(table)
-                prompt_len = seq.get_prompt_len()
-                if params.prompt_logprobs is not None and start + 1 < prompt_len:
-                    # Logits at position p predict prompt token p + 1.
-                    end = min(start + chunk, prompt_len - 1)
-                    b.prompt_logprob_rows[group.request_id] = (
-                        len(prompt_indices), end - start, seq.token_slice(start + 1, end + 1),
-                        params.prompt_logprobs,
-                    )
-                    prompt_indices += range(first, first + end - start)
-                if scheduled.do_sample:
-                    sample_indices.append(first + chunk - 1)
-                    b.sample_rows.append((seq.seq_id, self._sampling_row(group, seq)))
+        seqs = self.seqs
+        num_samples = batch.num_samples
+        last_index: dict[int, int] | None = None
+        for i, seq_id in enumerate(batch.seq_ids):
+            st = seqs.get(seq_id) or self._state(seq_id)
+            start = batch.num_computed_tokens[i]
+            chunk = batch.num_scheduled_tokens[i]
+            end = start + chunk
+            table = st.block_table
+            first = len(b.input_ids)
+            prompt_len = len(st.prompt_token_ids)
+            if end <= prompt_len + len(st.output_token_ids):
+                b.input_ids += st.token_slice(start, end)
+            else:
+                if last_index is None:
+                    last_index = self._last_sample_index()
+                b.from_last_samples.append((first, self._pending_input(
+                    seq_id, start, chunk, prompt_len + len(st.output_token_ids), last_index)))
+                b.input_ids.append(0)
+            b.positions += range(start, end)
+            b.slot_mapping += slots_for(table, start, end, bs)
+            b.query_lens.append(chunk)
+            b.seq_lens.append(end)
+            b.block_tables.append(table)
+            params = st.params
+            if params.prompt_logprobs is not None and start + 1 < prompt_len:
+                # Logits at position p predict prompt token p + 1.
+                last = min(end, prompt_len - 1)
+                b.prompt_logprob_rows[seq_id] = (
+                    len(prompt_indices), last - start, st.token_slice(start + 1, last + 1),
+                    params.prompt_logprobs,
+                )
+                prompt_indices += range(first, first + last - start)
+            if batch.do_sample[i]:
+                sample_indices.append(first + chunk - 1)
+                b.sample_rows.append((seq_id, SamplingRow(
+                    params=params,
+                    prompt_token_ids=st.prompt_token_ids,
+                    output_token_ids=st.output_token_ids,
+                    num_samples=num_samples.get(seq_id, 1) if num_samples else 1,
+                    generator=st.generator,
+                )))
         b.logits_indices = prompt_indices + sample_indices
         return b
 
-    def prepare_input(self, b: StepBatch, input_ids: torch.Tensor | None = None) -> ModelInput:
+    def _last_sample_index(self) -> dict[int, int]:
+        """seq_id -> index of its (first) sample among the last launched step's samples."""
+        if self._last_sampled is None:
+            return {}
+        seq_ids, counts, _ = self._last_sampled
+        index, offset = {}, 0
+        for seq_id, n in zip(seq_ids, counts):
+            index[seq_id] = offset
+            offset += n
+        return index
+
+    @staticmethod
+    def _pending_input(seq_id: int, start: int, chunk: int, num_known: int,
+                       last_index: dict[int, int]) -> int:
+        """Async scheduling: a decode token the engine has not sent yet must be the sample
+        the last launched step drew for this sequence."""
+        if chunk != 1 or start < num_known or seq_id not in last_index:
+            raise ValueError(
+                f"sequence {seq_id}: tokens [{start}, {start + chunk}) were never sent to the "
+                f"worker (it holds {num_known}) and are not the last step's sample"
+            )
+        return last_index[seq_id]
+
+    def _device_input_ids(self, b: FlatBatch) -> torch.Tensor | None:
+        """The input ids as a device tensor when some come from the last step's samples
+        (else None: the host list is copied as it is)."""
+        if not b.from_last_samples:
+            return None
+        last = self._last_sampled[2].to(self.input_device)
+        dst, src = zip(*b.from_last_samples)
+        if len(dst) == len(b.input_ids) == len(last) and src == tuple(range(len(src))):
+            return last  # every row decodes the last step's samples, in order
+        ids = host_to_device(b.input_ids, torch.long, self.input_device)
+        ids[host_to_device(dst, torch.long, self.input_device)] = \
+            last[host_to_device(src, torch.long, self.input_device)]
+        return ids
+
+    def prepare_input(self, b: FlatBatch, input_ids: torch.Tensor | None = None) -> ModelInput:
         """The eager path's device tensors, on the input device (the model's forward copies
         the metadata once to each later device group). `input_ids`: already on the device."""
         meta = PagedAttentionInputMetadata.build(
@@ -143,27 +283,16 @@ class ModelRunner:
             input_ids = host_to_device(b.input_ids, torch.long, self.input_device)
         return ModelInput(input_ids.to(self.input_device), {self.input_device: meta})
 
-    @staticmethod
-    def _sampling_row(group: SequenceGroup, seq) -> SamplingRow:
-        first_sample = seq.get_output_len() == 0 and group.num_seqs() == 1
-        return SamplingRow(
-            params=group.sampling_params,
-            prompt_token_ids=seq.prompt_token_ids,
-            output_token_ids=seq.output_token_ids,
-            num_samples=group.max_num_samples if first_sample else 1,
-            generator=seq.generator,
-        )
-
     # ---------------------------------------------------------------- execution
-    def uses_graph(self, b: StepBatch) -> bool:
+    def uses_graph(self, b: FlatBatch) -> bool:
         return self.graphs is not None and self.graphs.can_run(
             b.max_query_len, len(b.input_ids), len(b.query_lens)
         )
 
-    def forward(self, b: StepBatch, kv_caches: list[torch.Tensor],
+    def forward(self, b: FlatBatch, kv_caches: list[torch.Tensor],
                 input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states of every token of the step, [num_tokens, hidden]. `input_ids`, when
-        given, replaces b.input_ids with a device tensor (multi-step)."""
+        given, replaces b.input_ids with a device tensor (multi-step, async scheduling)."""
         if self.uses_graph(b):
             ids = b.input_ids if input_ids is None else input_ids
             return self.graphs.run(ids, b.positions, b.slot_mapping, b.seq_lens, b.block_tables)
@@ -171,52 +300,59 @@ class ModelRunner:
         return self.model(inp.input_ids, kv_caches, inp.metadata)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, kv_caches: list[torch.Tensor]) -> StepResult:
-        b = self.gather(out)
-        hidden = self.forward(b, kv_caches)
+    def launch(self, batch: StepBatch, kv_caches: list[torch.Tensor]) -> PendingStep:
+        """Apply the batch, then queue its forward(s) and sampling. A multi-step batch
+        (`num_steps > 1`, decode only: one sample per row, no row reading its own output)
+        runs its steps back to back, each step's samples the next step's input ids without
+        a trip to the host; all steps' samples come back in one transfer."""
+        if batch.token_bitmask is not None:
+            raise NotImplementedError("token_bitmask (structured output) is not applied yet")
+        self.apply(batch)
+        if not batch.seq_ids:
+            return PendingStep(StepResult())
+        b = self.gather(batch)
+        input_ids = self._device_input_ids(b)
+        self._last_sampled = None
+        hidden = self.forward(b, kv_caches, input_ids)
         if not b.logits_indices:
-            return StepResult({}, {})
+            return PendingStep(StepResult())
         logits = self.model.compute_logits(self._select_rows(hidden, b.logits_indices))
-        prompt_logprobs = {}
-        for request_id, (row, count, targets, k) in b.prompt_logprob_rows.items():
-            prompt_logprobs[request_id] = compute_prompt_logprobs(
+        result = StepResult()
+        for seq_id, (row, count, targets, k) in b.prompt_logprob_rows.items():
+            result.prompt_logprobs[seq_id] = compute_prompt_logprobs(
                 logits[row: row + count], targets, k
             )
-        num_prompt_rows = len(b.logits_indices) - len(b.sample_rows)
-        results = self.sampler(logits[num_prompt_rows:], [row for _, row in b.sample_rows])
-        samples = {seq_id: res for (seq_id, _), res in zip(b.sample_rows, results)}
-        return StepResult(samples, prompt_logprobs)
-
-    @torch.inference_mode()
-    def execute_multi_step(self, out: SchedulerOutput, kv_caches: list[torch.Tensor],
-                           num_steps: int) -> list[StepResult]:
-        """`num_steps` decode steps of one batch, back to back on the device: each step's
-        samples are the next step's input ids without a trip to the host, and all steps'
-        results come back in one transfer at the end. The scheduler reserved the slots; the
-        batch is decode-only, one sample per row, no row reads its output history (see
-        LLMEngine._multi_step_size)."""
-        b = self.gather(out)
+        if not b.sample_rows:
+            return PendingStep(result)
         rows = [row for _, row in b.sample_rows]
-        batches = []
-        input_ids = None
-        for step in range(num_steps):
-            if step:
-                b = b.next_decode_step(self.block_size)
-            hidden = self.forward(b, kv_caches, input_ids)
-            batch = self.sampler.sample(self.model.compute_logits(hidden), rows)
-            batches.append(batch)
-            input_ids = batch.token_ids
-        packed = torch.cat([x.packed for x in batches]).cpu().tolist()
-        n = len(rows)
-        results = []
-        for step, batch in enumerate(batches):
-            samples = batch.results(packed[step * n: (step + 1) * n])
-            results.append(StepResult(
-                {seq_id: res for (seq_id, _), res in zip(b.sample_rows, samples)}, {}))
-        return results
+        num_prompt_rows = len(b.logits_indices) - len(rows)
+        steps = [self.sampler.sample(logits[num_prompt_rows:], rows)]
+        for _ in range(1, batch.num_steps):
+            b = b.next_decode_step(self.block_size)
+            hidden = self.forward(b, kv_caches, steps[-1].token_ids)
+            steps.append(self.sampler.sample(self.model.compute_logits(hidden), rows))
+        result.seq_ids = [seq_id for seq_id, _ in b.sample_rows]
+        result.num_samples = [row.num_samples for row in rows]
+        result.num_logprobs = steps[0].num_top
+        self._last_sampled = (result.seq_ids, result.num_samples, steps[-1].token_ids)
+        return PendingStep(result, _stack_packed(steps))
+
+    def execute(self, batch: StepBatch, kv_caches: list[torch.Tensor]) -> StepResult:
+        return self.launch(batch, kv_caches).wait()
 
     @staticmethod
     def _select_rows(hidden: torch.Tensor, indices: list[int]) -> torch.Tensor:
         if indices == list(range(hidden.shape[0])):  # decode: every row, in order
             return hidden
         return hidden.index_select(0, host_to_device(indices, torch.long, hidden.device))
+
+
+def _unknown(seq_id: int) -> ValueError:
+    return ValueError(f"sequence {seq_id} is not known to the worker (never sent, or freed)")
+
+
+def _stack_packed(steps: list[SampledBatch]) -> torch.Tensor:
+    """[num_steps, samples, width]: every step's packed samples, one tensor to move."""
+    if len(steps) == 1:
+        return steps[0].packed[None]
+    return torch.stack([s.packed for s in steps])

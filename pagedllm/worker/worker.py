@@ -1,8 +1,10 @@
 """Worker: loads the model onto its devices, sizes the KV cache by profiling, and executes
-scheduled steps (cache swaps/copies, then the forward and sampling)."""
+step batches (cache swaps/copies, then the forward and sampling). It reads nothing of the
+engine but the plain StepBatch (worker/inputs.py)."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import os
@@ -12,9 +14,10 @@ from torch import nn
 
 from pagedllm.config import resolve_dtype
 from pagedllm.engine_args import EngineArgs
-from pagedllm.engine.scheduler import SchedulerOutput
 from pagedllm.kernels.metadata import PagedAttentionInputMetadata, slots_for
+from pagedllm.layers.gguf_linear import unloaded_parts
 from pagedllm.loader import initialize_dummy_weights, load_model_source
+from pagedllm.loader.gguf_loader import packed_tensor_types
 from pagedllm.models.device_map import DeviceMap
 from pagedllm.models.registry import build_model
 from pagedllm.layers import dispatch
@@ -25,7 +28,11 @@ from pagedllm.worker.cuda_graphs import graphs_supported
 from pagedllm.worker.placement import (
     PlacementInputs, WeightSizes, check_weights_fit, describe, place_model, plan_auto,
 )
-from pagedllm.worker.model_runner import ModelRunner, StepResult
+from pagedllm.worker.inputs import StepBatch, StepResult
+from pagedllm.worker.model_runner import ModelRunner, PendingStep
+from pagedllm.worker.quantization import (
+    describe_gguf, pack_gguf_modules, quantize_fp8, resolve_quantization,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +74,9 @@ class Worker:
         if explicit_map is not None:
             device = explicit_map.input_device
         self.dtype = resolve_dtype(args.dtype, device)
+        self.quantization = resolve_quantization(
+            args.quantization, source.load_format,
+            explicit_map.devices if explicit_map is not None else [device], args.dtype)
         self.max_model_len = min(args.max_model_len or config.max_position_embeddings,
                                  config.max_position_embeddings)
         # On the CPU, prompt batches of 2048 tokens keep the GEMMs near their best rate.
@@ -79,14 +89,14 @@ class Worker:
         self.model = self._load_model(source, args, explicit_map or (
             "auto" if spec == "auto" else DeviceMap.single(device, num_layers)))
         head = self.model.lm_head if self.model.lm_head is not None else self.model.embed_tokens
-        self.logits_device = head.weight.device
+        self.logits_device = next(itertools.chain(head.parameters(), head.buffers())).device
         eos = list(config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.append(self.tokenizer.eos_token_id)
         self.eos_token_ids = sorted(set(eos))
         self.block_size = args.block_size
         self.runner = ModelRunner(self.model, args.block_size, self.eos_token_ids,
-                                  self.device_map.layer_devices)
+                                  self.device_map.layer_devices, self.logits_device)
         if graphs_supported(self.device_map.layer_devices, args.enforce_eager):
             self.runner.enable_cuda_graphs(self.max_num_seqs, self.max_model_len,
                                            config.num_key_value_heads, config.head_dim, self.dtype)
@@ -124,12 +134,26 @@ class Worker:
                 model = build_model(source.config)
         finally:
             torch.set_default_dtype(previous)
+        keep_packed: set[str] = set()
+        if self.quantization == "gguf":
+            keep_packed = pack_gguf_modules(model, packed_tensor_types(source.path))
         self.device_map = self._place(model, args, device_map)
         if source.load_format == "dummy":
             initialize_dummy_weights(model, args.seed)
         else:
-            total = sum(p.numel() * p.element_size() for p in model.parameters())
-            model.load_weights(source.iter_weights(self.dtype, total))
+            model.load_weights(source.iter_weights(self.dtype, keep_packed,
+                                                   memory.module_bytes(model)))
+        missing = unloaded_parts(model)
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:5])}")
+        if keep_packed:
+            logger.info(describe_gguf(model))
+        if self.quantization == "fp8":
+            logger.info("%d linears quantized to FP8 E4M3 (per-channel scales)",
+                        quantize_fp8(model))
+        self.weight_bytes = memory.module_bytes(model)
+        logger.info("weights: %.1f MiB (%s)", self.weight_bytes / (1 << 20),
+                    self.quantization or str(self.dtype).removeprefix("torch."))
         self._prepack_cpu_linears(model)
         return model.eval()
 
@@ -138,10 +162,12 @@ class Worker:
         first batched decode step; every linear, now, with PAGEDLLM_MKL_PACK=all. Only when
         RAM holds the packed copies with room to spare."""
         head = model.lm_head if model.lm_head is not None else model.embed_tokens
-        if not dispatch.choose(head.weight.device, head.weight.dtype).packs_linears:
+        weight = getattr(head, "weight", None)  # none on a GGUF-packed head
+        if not isinstance(weight, torch.Tensor) or not dispatch.choose(
+                weight.device, weight.dtype).packs_linears:
             return
         pack_all = os.environ.get("PAGEDLLM_MKL_PACK", "head") == "all"
-        weights = model.parameters() if pack_all else [head.weight]
+        weights = model.parameters() if pack_all else [weight]
         size = sum(p.numel() * p.element_size() for p in weights if p.device.type == "cpu")
         if 3 * size > memory.free_memory(torch.device("cpu")) // 2:
             logger.info("CPU linears stay unpacked: too little free RAM for packed copies")
@@ -176,9 +202,6 @@ class Worker:
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         devices = [torch.device("cuda", i) for i in range(count)] + [torch.device("cpu")]
         return [(d, memory.usable_memory(d, utilization)) for d in devices]
-
-    def make_generator(self, seed: int) -> torch.Generator:
-        return torch.Generator(device=self.logits_device).manual_seed(seed)
 
     # ---------------------------------------------------------------- profiling
     def _profile_num_blocks(self, args: EngineArgs) -> int:
@@ -249,14 +272,13 @@ class Worker:
         del caches, hidden
 
     # ---------------------------------------------------------------- execution
-    def apply_cache_ops(self, out: SchedulerOutput) -> None:
-        """Swaps and copy-on-write copies, in the order the scheduler requires."""
-        self.cache_engine.swap_out(out.blocks_to_swap_out)
-        self.cache_engine.swap_in(out.blocks_to_swap_in)
-        self.cache_engine.copy(out.blocks_to_copy)
+    def launch(self, batch: StepBatch) -> PendingStep:
+        """Apply the batch's swaps and copy-on-write copies (in the order the scheduler
+        requires), then queue its forward(s) and sampling; the result is ready at `wait()`."""
+        self.cache_engine.swap_out(batch.blocks_to_swap_out)
+        self.cache_engine.swap_in(batch.blocks_to_swap_in)
+        self.cache_engine.copy(batch.blocks_to_copy)
+        return self.runner.launch(batch, self.cache_engine.gpu_cache)
 
-    def execute(self, out: SchedulerOutput) -> StepResult:
-        return self.runner.execute(out, self.cache_engine.gpu_cache)
-
-    def execute_multi_step(self, out: SchedulerOutput, num_steps: int) -> list[StepResult]:
-        return self.runner.execute_multi_step(out, self.cache_engine.gpu_cache, num_steps)
+    def execute(self, batch: StepBatch) -> StepResult:
+        return self.launch(batch).wait()
