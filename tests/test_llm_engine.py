@@ -39,6 +39,8 @@ def test_seeded_sampling_is_reproducible(default_llm):
     params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=1234)
     a = default_llm.generate([PROMPT, "Hello"], params, use_tqdm=False)
     b = default_llm.generate(["Hello", PROMPT], params, use_tqdm=False)
+    # The same batch in another row order: a BLAS may round a row differently, which moves a
+    # sampled token only if its uniform draw lands within ~1e-7 of a boundary (odds ~1e-6).
     assert a[0].outputs[0].token_ids == b[1].outputs[0].token_ids
     assert a[1].outputs[0].token_ids == b[0].outputs[0].token_ids
     c = default_llm.generate(PROMPT, SamplingParams(temperature=1.0, max_tokens=12, seed=99),
