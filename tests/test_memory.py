@@ -95,9 +95,10 @@ print(json.dumps({"peaks": peaks, "bound": w._activation_peak()}))
 
 @pytest.mark.slow
 def test_the_bound_covers_the_measured_peak_of_the_largest_steps():
-    """In a fresh process (the high-water mark of its RSS starts at the weights): the largest
-    prompt batch with its logits, and a prompt chunk reading the longest context; at a
-    quarter of the default sizes (the bound is linear in them) to keep the test short."""
+    """In a fresh process (profile_peak_memory resets the RSS high-water mark before each
+    run, which loading may have left higher): the largest prompt batch with its logits, and a
+    prompt chunk reading the longest context; at a quarter of the default sizes (the bound is
+    linear in them) to keep the test short."""
     result = subprocess.run([sys.executable, "-c", MEASURE], cwd=REPO, capture_output=True,
                             text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert result.returncode == 0, result.stderr
