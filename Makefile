@@ -5,6 +5,9 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.bootstrapped
 TORCH_VERSION ?= 2.13.0
+# make serve PORT=8080 ARGS="--model path/to/model.gguf --api-key secret"
+PORT ?= 8000
+ARGS ?=
 
 .PHONY: bootstrap serve test bench gpu-check clean
 
@@ -18,7 +21,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 serve: bootstrap
-	$(VENV)/bin/pagedllm serve
+	$(VENV)/bin/pagedllm serve --port $(PORT) $(ARGS)
 
 test: bootstrap
 	TRITON_INTERPRET=1 $(PY) -m pytest -q tests

@@ -1,7 +1,36 @@
-"""pagedllm: a readable LLM inference engine built around PagedAttention."""
-from pagedllm.entrypoints.llm import LLM
-from pagedllm.outputs import CompletionOutput, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+"""pagedllm: a readable LLM inference engine built around PagedAttention.
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+The names below load on first use, so `pagedllm --help` and `from pagedllm import
+SamplingParams` do not pay for importing torch.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagedllm.entrypoints.llm import LLM
+    from pagedllm.outputs import CompletionOutput, RequestOutput
+    from pagedllm.sampling_params import SamplingParams
+
+_EXPORTS = {
+    "LLM": "pagedllm.entrypoints.llm",
+    "SamplingParams": "pagedllm.sampling_params",
+    "RequestOutput": "pagedllm.outputs",
+    "CompletionOutput": "pagedllm.outputs",
+}
+
+__all__ = list(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'pagedllm' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -10,6 +10,7 @@ SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "bloom")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 PREEMPTION_MODES = ("recompute", "swap")
+QUANTIZATIONS = ("gguf", "fp8")  # worker/quantization.py
 
 # Hugging Face `architectures[0]` / `model_type` -> our architecture name.
 HF_ARCHITECTURE_NAMES = {

@@ -13,7 +13,7 @@ import typing
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-from pagedllm.config import DTYPES, LOAD_FORMATS, PREEMPTION_MODES
+from pagedllm.config import DTYPES, LOAD_FORMATS, PREEMPTION_MODES, QUANTIZATIONS
 
 
 def option(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -32,6 +32,10 @@ class EngineArgs:
         None, "the model name the server answers to (default: from the model)")
     dtype: str = option("auto", "weights and activations; auto: float32 on the CPU, "
                         "bfloat16 on CUDA", DTYPES)
+    quantization: str | None = option(
+        None, "gguf: keep a GGUF file's quantized blocks on the CPU (the default for GGUF "
+        "files on the CPU with --dtype auto; --dtype float32 dequantizes them); fp8: FP8 "
+        "weights on CUDA", QUANTIZATIONS)
     device: str = option("auto", "auto | cpu | cuda | cuda:N")
     device_map: str | None = option(
         None, 'layers per device, e.g. "cuda:0:20,cpu:10", or "auto" (by free memory)')
@@ -76,6 +80,9 @@ class EngineArgs:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, "
+                             f"got {self.quantization!r}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two up to 128, got {self.block_size}")
         if self.num_scheduler_steps is not None and (
@@ -92,6 +99,9 @@ class EngineArgs:
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        if tp > 1 and self.quantization is not None:
+            raise ValueError(f"quantization {self.quantization!r} and tensor_parallel_size > 1 "
+                             f"cannot be combined (yet): the sharded layers hold plain weights")
         if tp > 1 and (self.device_map or "").strip():
             raise ValueError("device_map and tensor_parallel_size > 1 cannot be combined (yet): "
                              "give one or the other")

@@ -6,6 +6,10 @@
 #   parity         scripts/gpu_parity.py: CUDA fp32 == CPU fp32 greedy tokens, graphs == eager
 #   nano decode-8b throughput-8b prefix-8b
 #                  `pagedllm bench <workload>` (pagedllm/benchmarks/workloads.py)
+#   fp8            scripts/gpu_fp8_check.py (FP8 kernels at 8B shapes, greedy agreement with
+#                  bf16), then decode-8b and throughput-8b again with --quantization fp8, and
+#                  scripts/gpu_fp8_accept.py judges issue 16's targets against the bf16 runs
+#                  (decode-8b fp8 >= 330 tok/s, throughput-8b fp8 >= bf16)
 #   nano-sync decode-8b-sync throughput-8b-sync
 #                  the same with --no-async-scheduling (not in the default list: name them
 #                  in GPU_CHECK_STEPS for an on/off comparison in one run)
@@ -29,7 +33,8 @@ cd "$(dirname "$0")/.."
 REPO=$PWD
 LOGS=${OUT:-$REPO/gpu-check-logs}
 PY=${PYTHON:-python3}
-STEPS=${GPU_CHECK_STEPS:-kernels,kernel-bench,parity,nano,decode-8b,throughput-8b,prefix-8b}
+STEPS=${GPU_CHECK_STEPS:-kernels,kernel-bench,parity,nano,decode-8b,throughput-8b,prefix-8b,fp8}
+case ",$STEPS," in *",fp8,"*) STEPS="$STEPS,decode-8b-fp8,throughput-8b-fp8,fp8-accept" ;; esac
 WORK=$(mktemp -d /tmp/gpu-check.XXXXXX)
 mkdir -p "$LOGS"
 export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
@@ -98,6 +103,14 @@ for w in $BENCHES; do
         "${peer[@]}" ${extra[@]+"${extra[@]}"}
     [ -f "$WORK/$w.json" ] && { echo "-- $w.json"; cat "$WORK/$w.json"; } >>"$LOGS/bench.log"
 done
+# FP8 weights: kernel checks + agreement, then the two 8B workloads beside the bf16 runs above.
+run_step fp8 420 "$LOGS/fp8.log" $PY scripts/gpu_fp8_check.py --out "$LOGS/fp8.json"
+for w in decode-8b throughput-8b; do
+    run_step "$w-fp8" 480 "$LOGS/bench.log" $PY "$WORK/bench.py" "$w" --quantization fp8 \
+        --out "$WORK/$w-fp8.json" --no-peer
+    [ -f "$WORK/$w-fp8.json" ] && { echo "-- $w-fp8.json"; cat "$WORK/$w-fp8.json"; } >>"$LOGS/bench.log"
+done
+run_step fp8-accept 60 "$LOGS/fp8.log" $PY scripts/gpu_fp8_accept.py "$WORK"
 
 # Tensor parallelism: TP=2 where two GPUs are visible, else one rank in an NCCL group.
 NGPU=$($PY -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
@@ -132,10 +145,12 @@ run_step tp-allreduce 600 "$LOGS/tp.log" $TPRUN scripts/gpu_tp.py allreduce-shar
         | sed 's/^/kernel-bench: /'
     [ -f "$LOGS/parity.log" ] && sed -n '/^check /,$p' "$LOGS/parity.log"
     [ -f "$LOGS/tp.log" ] && grep -E "^SKIP|^check tp-parity|^allreduce-share" "$LOGS/tp.log"
+    [ -f "$LOGS/fp8.log" ] && grep -E "speedup|agreement|checks|^decode-8b:|^throughput-8b:" \
+        "$LOGS/fp8.log" | sed 's/^/fp8: /'
     if [ -f "$LOGS/bench.log" ]; then
         echo
         grep -E "^== |KV budget|KV cache:|CUDA graph|Traceback|Error" "$LOGS/bench.log" | cut -c1-160
-        for w in $BENCHES tp-decode-8b tp-throughput-8b; do  # each table follows "results:"
+        for w in $BENCHES decode-8b-fp8 throughput-8b-fp8 tp-decode-8b tp-throughput-8b; do  # each table follows "results:"
             sed -n "/^results: .*\/$w.json/,/^== $w:/p" "$LOGS/bench.log" | sed '1s/^/\n/'
         done
     fi

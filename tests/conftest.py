@@ -33,7 +33,9 @@ def hf_reference(default_gguf):
 
 @pytest.fixture(scope="session")
 def default_llm():
-    """One engine on the default model, shared by tests that only read from it."""
+    """One engine on the default model, shared by tests that only read from it: float32,
+    the GGUF dequantized (transformers' exact twin; --quantization gguf is tested against
+    it in test_gguf_model.py)."""
     from pagedllm import LLM
 
-    return LLM(kv_cache_memory=512 << 20)
+    return LLM(kv_cache_memory=512 << 20, dtype="float32")

@@ -52,6 +52,29 @@ def test_help(capsys):
         assert option in out
     code, out, _ = run_main(capsys, "bench", "serve", "--help")
     assert code == 0 and "--num-clients" in out
+    code, out, _ = run_main(capsys, "bench", "load", "--help")
+    assert code == 0 and "--repeats" in out
+
+
+def test_bench_help_lists_every_workload_on_one_line(capsys):
+    from pagedllm.benchmarks import WORKLOAD_HELP, workloads
+
+    assert set(WORKLOAD_HELP) == {*workloads.WORKLOADS, "serve", "load"}
+    code, out, _ = run_main(capsys, "bench", "--help")
+    assert code == 0
+    lines = out.splitlines()
+    for name, text in WORKLOAD_HELP.items():
+        assert any(line.split() == [name, *text.split()] for line in lines), name
+
+
+def test_help_imports_neither_torch_nor_transformers():
+    """`pagedllm --help` answers at once: the package's names load on first use."""
+    code = ("import sys; import pagedllm; from pagedllm.entrypoints.cli import build_parser; "
+            "pagedllm.SamplingParams; build_parser().format_help(); "
+            "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                            text=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert result.stdout.strip() == "[]", result.stderr
 
 
 def test_engine_flags_are_generated_from_engine_args():
@@ -75,6 +98,7 @@ def test_engine_flags_are_generated_from_engine_args():
     (["bench", "serve", "--num-clients", "0"], "--num-clients must be at least 1"),
     (["bench", "serve", "--url", "http://127.0.0.1:9", "--bogus"], "--bogus"),
     (["bench", "no-such-workload"], "unknown benchmark workload 'no-such-workload'"),
+    (["bench", "load", "--repeats", "0"], "--repeats must be at least 1"),
 ])
 def test_bad_options_exit_2(capsys, argv, fragment):
     code, out, err = run_main(capsys, *argv)
@@ -115,7 +139,8 @@ def test_generate_answers_with_chat_template():
 @pytest.mark.slow
 def test_chat_reads_stdin_and_keeps_history(default_llm):
     questions = ["My name is Alice.", "What is my name?"]
-    result = pagedllm("chat", "--max-tokens", "12", *SMALL_ENGINE,
+    # float32: the weights of default_llm, which it is compared with token for token
+    result = pagedllm("chat", "--max-tokens", "12", "--dtype", "float32", *SMALL_ENGINE,
                       stdin="\n".join(questions) + "\n")
     assert result.returncode == 0, result.stderr
 

@@ -116,7 +116,7 @@ def test_rms_norm_matches_the_torch_path(rows, torch_path):
     got_out, got_sum = cpu_kernels.rms_norm(x, norm.weight, 1e-5, residual)
     torch.testing.assert_close(got_alone, want_alone, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got_out, want_out, rtol=1e-5, atol=1e-6)
-    assert torch.equal(got_sum, want_sum)
+    assert torch.equal(got_sum, want_sum)  # one IEEE add per element: exact on any CPU
 
 
 def test_rotary_in_place_matches_the_torch_path(torch_path):
@@ -126,6 +126,8 @@ def test_rotary_in_place_matches_the_torch_path(torch_path):
     want_q, want_k = rotary(positions, q, k)  # the torch path returns new tensors
     got_q, got_k = q.clone(), k.clone()
     cpu_kernels.rotary_embedding_(positions, got_q, got_k, *rotary.tables(torch.device("cpu")))
+    # Exact on any CPU: per element x1*c - x2*s and x2*c + x1*s, each product and sum
+    # rounded once on both sides (the C is built with -ffp-contract=off: no fused multiply-add).
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
 
 
@@ -197,6 +199,26 @@ def test_packed_linear_matches_f_linear(rows):
     torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(layer(x.view(1, rows, 576)), want.view(1, rows, 1536),
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_lm_head_is_packed_on_the_first_batched_call(tied):
+    config = ModelConfig(architecture="llama", vocab_size=300, hidden_size=64,
+                         num_hidden_layers=1, num_attention_heads=4, intermediate_size=96,
+                         tie_word_embeddings=tied)
+    model = build_model(config)
+    initialize_dummy_weights(model, seed=1)
+    model.pack_head_when_batched = True
+    head = model.embed_tokens if tied else model.lm_head
+    packed = (lambda: model.packed_tied_head) if tied else (lambda: model.lm_head.packed)
+    hidden = torch.randn(4, 64)
+    want = torch.nn.functional.linear(hidden, head.weight)
+    torch.testing.assert_close(model.compute_logits(hidden[:1]), want[:1], rtol=1e-5, atol=1e-5)
+    assert getattr(model, "packed_tied_head", None) is None and model.pack_head_when_batched
+    torch.testing.assert_close(model.compute_logits(hidden), want, rtol=1e-5, atol=1e-5)
+    assert packed() is not None and not model.pack_head_when_batched
+    assert all(m.packed is None for m in model.modules() if isinstance(m, Linear)
+               and m is not model.lm_head)  # the other linears stay as they are
 
 
 def test_packing_skips_what_it_cannot_pack():

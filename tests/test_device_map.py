@@ -22,7 +22,7 @@ from pagedllm.worker.cache_engine import CacheEngine, bytes_per_block
 from pagedllm.worker.placement import (
     PlacementInputs, WeightSizes, check_weights_fit, describe, plan_auto,
 )
-from tests.paged_helpers import PagedRunner
+from tests.paged_helpers import NEAR_TIE_ACROSS_BATCH_SHAPES, PagedRunner, assert_same_greedy
 from tests.prompts import OPENINGS, QUESTIONS, SHARED_PREFIX
 
 CPU = torch.device("cpu")
@@ -259,7 +259,9 @@ def test_forward_over_groups_matches_one_group(architecture, monkeypatch):
     model.device_map = DeviceMap.parse("cpu:2,cpu:1,cpu:3", 6)
     split = PagedRunner(model, config, num_blocks=16, block_size=4)
     for c, want in zip(chunks, expected):
-        assert torch.equal(split.step(c), want)
+        # The same computation moved between groups: equal up to fp32 rounding (a BLAS may
+        # pick its kernel by the operands' alignment, which a copy can change).
+        torch.testing.assert_close(split.step(c), want, rtol=1e-5, atol=1e-5)
     # Per step: one metadata copy per later group, one hidden-state move per boundary.
     assert (log.metadata, log.hidden) == (2 * len(chunks), 2 * len(chunks))
 
@@ -351,7 +353,7 @@ MAX_TOKENS = 16
 # every sequence at once (swap preemption); the questions share a long prefix.
 PROMPTS = OPENINGS[:5] + [SHARED_PREFIX + q for q in QUESTIONS[:3]]
 ENGINE = dict(preemption_mode="swap", num_gpu_blocks_override=10, enable_prefix_caching=True,
-              kv_cache_memory=64 << 20, swap_space=0.05)
+              kv_cache_memory=64 << 20, swap_space=0.05, dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -370,15 +372,17 @@ def default_model_once():
 
 
 def greedy(llm: LLM):
-    return llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
-                        use_tqdm=False)
+    return llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                                logprobs=2), use_tqdm=False)
 
 
 @pytest.fixture(scope="module")
 def single_device_outputs(default_model_once):
     llm = LLM(**ENGINE)
     assert len(llm.engine.worker.device_map.groups) == 1
-    return [o.outputs[0].token_ids for o in greedy(llm)]
+    return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in step.items()}
+                                      for step in o.outputs[0].logprobs])
+            for o in greedy(llm)]
 
 
 @pytest.mark.parametrize("spec", ["cpu:15,cpu:15", "cpu:10,cpu:12,cpu:8"])
@@ -398,7 +402,10 @@ def test_greedy_matches_single_device(spec, single_device_outputs, monkeypatch):
 
     monkeypatch.setattr(model, "forward", counted_forward)
     outs = greedy(llm)
-    assert [o.outputs[0].token_ids for o in outs] == single_device_outputs
+    # The same steps, but preemption and the groups' copies may shift batch shapes.
+    for i, (out, (want, want_logprobs)) in enumerate(zip(outs, single_device_outputs)):
+        assert_same_greedy(out.outputs[0].token_ids, want, want_logprobs,
+                           NEAR_TIE_ACROSS_BATCH_SHAPES, f"prompt {i}:")
     assert llm.engine.scheduler.stats.num_preemptions_swap > 0
     assert any(o.num_cached_tokens > 0 for o in outs[5:])  # prefix cache hits
     # Each step's forward: one metadata copy per later group, one move per boundary.

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from tests.paged_helpers import NEAR_TIE_VS_TRANSFORMERS, assert_same_greedy, top_logprobs
 from tests.prompts import mixed_prompts
 
 MAX_TOKENS = 24
@@ -18,22 +19,25 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def reference(hf_reference, prompts):
-    """transformers' greedy continuations (token ids, EOS included when reached), generated
-    as one left-padded batch (transformers' fp32 logits do not depend on the batch shape)."""
+    """transformers' greedy continuations (token ids, EOS included when reached) with each
+    step's top log-probabilities, generated as one left-padded batch (transformers' fp32
+    logits do not depend on the batch shape)."""
     model, tokenizer = hf_reference
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos])
     tokenizer.padding_side = "left"
     batch = tokenizer(prompts, return_tensors="pt", padding=True)
     with torch.no_grad():
-        gen = model.generate(**batch, max_new_tokens=MAX_TOKENS, do_sample=False)
+        gen = model.generate(**batch, max_new_tokens=MAX_TOKENS, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)
+    logits = torch.stack(gen.logits, dim=1)  # [prompts, steps, vocab]
     outputs = []
-    for row in gen[:, batch.input_ids.shape[1]:].tolist():
+    for row, row_logits in zip(gen.sequences[:, batch.input_ids.shape[1]:].tolist(), logits):
         for i, t in enumerate(row):
             if t in eos:
                 row = row[: i + 1]
                 break
-        outputs.append(row)
+        outputs.append((row, top_logprobs(row_logits[: len(row)])))
     return outputs
 
 
@@ -51,14 +55,15 @@ CONFIGS = {
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_greedy_matches_transformers(name, prompts, reference):
-    llm = LLM(kv_cache_memory=256 << 20, **CONFIGS[name])
+    llm = LLM(kv_cache_memory=256 << 20, dtype="float32", **CONFIGS[name])
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     if name == "prefix-caching":
         # Warm the cache with one request that carries the shared prefix.
         llm.generate(prompts[16], params, use_tqdm=False)
     outs = llm.generate(prompts, params, use_tqdm=False)
-    for i, (out, ref) in enumerate(zip(outs, reference)):
-        assert out.outputs[0].token_ids == ref, f"prompt {i} differs in config {name}"
+    for i, (out, (ref, ref_logprobs)) in enumerate(zip(outs, reference)):
+        assert_same_greedy(out.outputs[0].token_ids, ref, ref_logprobs,
+                           NEAR_TIE_VS_TRANSFORMERS, f"prompt {i}, config {name}:")
     scheduler = llm.engine.scheduler
     if name.startswith("preempt"):
         stats = scheduler.stats

@@ -23,9 +23,10 @@ PACKAGES = ["distributed", "kernels", "layers", "models", "loader", "worker", "e
 
 # (importer, imported) module-name prefixes that may import upward, and why. Keep it short.
 ALLOWED = {
-    # The `bench` subcommand hands its arguments to the workloads, imported only when run.
+    # The `bench` subcommand lists the workloads (benchmarks.WORKLOAD_HELP: a dict, no torch)
+    # and hands its arguments to them, imported only when run.
     ("pagedllm.entrypoints.cli", "pagedllm.benchmarks"):
-        "`pagedllm bench` runs the workloads (a lazy import in run_bench)",
+        "`pagedllm bench` lists the workloads and runs them (a lazy import in run_bench)",
 }
 
 

@@ -17,8 +17,10 @@ from pagedllm.loader import (
     default_model_path,
     initialize_dummy_weights,
     load_model_source,
+    load_tokenizer,
     preset_names,
 )
+from pagedllm.loader.gguf_dequant import dequantize
 from pagedllm.loader.gguf_loader import unpermute_rotary_rows
 
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
@@ -264,10 +266,105 @@ def test_directory_with_one_gguf(tmp_path):
     assert load_model_source(str(tmp_path), load_format="gguf").config == source.config
 
 
+def test_weights_with_a_progress_bar_are_the_same_weights(tmp_path, monkeypatch):
+    import io
+
+    from tqdm import tqdm
+
+    write_tiny_gguf(tmp_path / "m.gguf")
+    source = load_model_source(str(tmp_path / "m.gguf"))
+    plain = list(source.iter_weights(torch.float32))
+    total = sum(t.numel() * t.element_size() for _, t in plain)
+    shown = io.StringIO()
+    shown.isatty = lambda: True  # a terminal: the bar is drawn (no delay here)
+    original = tqdm.__init__
+    monkeypatch.setattr(tqdm, "__init__", lambda self, *a, **k: original(
+        self, *a, **{**k, "file": shown, "delay": 0}))
+    with_bar = list(source.iter_weights(torch.float32, total_bytes=total))
+    assert [n for n, _ in with_bar] == [n for n, _ in plain]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(with_bar, plain))
+    assert "Loading weights: 100%" in shown.getvalue()
+
+
 def test_unpermute_inverts_llama_cpp_order():
     w = np.arange(4 * 8 * 3, dtype=np.float32).reshape(32, 3)
     assert not np.array_equal(llama_cpp_permute(w, 4), w)
     assert np.array_equal(unpermute_rotary_rows(llama_cpp_permute(w, 4), 4), w)
+
+
+def byte_level_chars() -> list[str]:
+    """GPT-2's byte-to-character table (the 256 single-byte tokens of a byte-level BPE)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return [chr(c) for c in printable] + [chr(256 + i) for i in range(len(others))]
+
+
+def write_tokenizer_gguf(path: Path, chat_template: str) -> None:
+    """A GGUF holding a tiny byte-level BPE tokenizer (llama.cpp's "gpt2" model)."""
+    tokens = byte_level_chars() + ["he", "ll", "hell", "Ġw", "<|endoftext|>", "<|im_start|>",
+                                   "<|im_end|>"]
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * (len(tokens) - 3) + [3] * 3)
+    w.add_token_merges(["h e", "l l", "he ll", "Ġ w"])
+    w.add_bos_token_id(len(tokens) - 2)
+    w.add_eos_token_id(len(tokens) - 1)
+    w.add_chat_template(chat_template)
+    w.add_tensor("token_embd.weight", np.zeros((len(tokens), 8), np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+
+
+def test_gguf_tokenizer_is_cached_by_the_header(tmp_path, monkeypatch):
+    from pagedllm.loader import tokenizer as tokenizer_module
+
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(tokenizer_module, "_GGUF_TOKENIZERS", {})  # no in-process copies
+    built = []
+    from_pretrained = transformers.AutoTokenizer.from_pretrained
+
+    def counted(name, *args, **kwargs):
+        built.append(kwargs.get("gguf_file"))
+        return from_pretrained(name, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", counted)
+    template = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
+    write_tokenizer_gguf(tmp_path / "a.gguf", template)
+    first = load_tokenizer(str(tmp_path / "a.gguf"))
+    tokenizer_module._GGUF_TOKENIZERS.clear()
+    again = load_tokenizer(str(tmp_path / "a.gguf"))
+    assert built == ["a.gguf", None]  # converted once, then read from the cache
+    assert len(list((tmp_path / "cache" / "tokenizers").iterdir())) == 1  # no partial entries
+    for text in ["hello world<|im_end|>", " héllo\n\tw", "<|im_start|>hi<|im_end|>"]:
+        assert again.encode(text) == first.encode(text)
+        assert again.convert_ids_to_tokens(again.encode(text)) == first.convert_ids_to_tokens(
+            first.encode(text))
+    assert first.convert_ids_to_tokens(first.encode("hello world")) == ["hell", "o", "Ġw", "o",
+                                                                       "r", "l", "d"]
+    assert (again.bos_token, again.eos_token) == (first.bos_token, first.eos_token) == (
+        "<|im_start|>", "<|im_end|>")
+    assert again.chat_template == first.chat_template == template
+    # A file with another header (here its chat template) is another entry.
+    write_tokenizer_gguf(tmp_path / "b.gguf", template + "!")
+    assert load_tokenizer(str(tmp_path / "b.gguf")).chat_template == template + "!"
+    assert built[-1] == "b.gguf"
+    assert len(list((tmp_path / "cache" / "tokenizers").iterdir())) == 2
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "F16", "Q5_0"])
+def test_dequantize_is_gguf_bit_for_bit(qtype):
+    """The torch dequantizers do gguf's fp32 operations in gguf's order (one rounding each,
+    no fused multiply-add), so the values are identical, not merely close; Q5_0 goes to gguf."""
+    qtype = gguf.GGMLQuantizationType[qtype]
+    values = np.random.default_rng(0).standard_normal((5, 3, 128)).astype(np.float32) * 0.05
+    values[0, 0, :32] = 0.0  # a zero block: scale 0
+    data = gguf.quants.quantize(values, qtype)
+    got = dequantize(data, qtype)
+    want = gguf.quants.dequantize(data, qtype)
+    assert got.dtype == np.float32 and got.shape == want.shape == values.shape
+    assert np.array_equal(got, want)
 
 
 def test_gguf_rope_scaling_metadata(tmp_path):

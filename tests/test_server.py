@@ -28,6 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 MAX_MODEL_LEN = 4096
 NUM_BLOCKS = 160  # 2560 tokens of KV cache: less than the context, so both limits are testable
 SERVER_ARGS = [
+    "--dtype", "float32",  # the same weights as the default_llm fixture it is compared with
     "--max-model-len", str(MAX_MODEL_LEN),
     "--num-gpu-blocks-override", str(NUM_BLOCKS),
     "--swap-space", "0.05",
@@ -720,7 +721,7 @@ async def _streamed(url: str, model: str, prompts: list[str]) -> tuple[list[str]
     return [""] * 8 + list(results[8:]), list(results[:8])
 
 
-def test_metrics_exposition(server, client, model):
+def test_metrics_exposition(server, client, model, default_llm):
     before = scrape(server.url)
     resp = client.completions.create(model=model, prompt="Q: What is 2 + 2?\nA:", max_tokens=4,
                                      extra_body={"ignore_eos": True})
@@ -737,6 +738,7 @@ def test_metrics_exposition(server, client, model):
                  "kv_cache_usage_perc", "prefix_cache_hit_rate"):
         assert f"pagedllm:{name}" in after
     assert 0 <= after["pagedllm:prefix_cache_hit_rate"] <= 1
+    assert after["pagedllm:model_weight_bytes"] == default_llm.engine.worker.weight_bytes
 
 
 def test_sse_wire_format(server, model):

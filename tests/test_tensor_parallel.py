@@ -134,7 +134,8 @@ def test_greedy_tokens_match_one_rank(family, tp):
 def test_default_model_at_three_ranks():
     """SmolLM2-135M: 9 heads and 3 KV heads, one KV head per rank."""
     prompts = mixed_prompts()[8:24]  # 8 plain openings, 8 sharing a long prefix
-    engine = dict(block_size=16, num_gpu_blocks_override=48)
+    # float32: the GGUF dequantized on every rank (its packed blocks are not sharded).
+    engine = dict(block_size=16, num_gpu_blocks_override=48, dtype="float32")
     reference, ref_stats = run(None, prompts, tp=1, **engine)
     outputs, stats = run(None, prompts, tp=3, **engine)
     assert ref_stats["preemptions"] > 0 and stats["preemptions"] > 0
@@ -148,10 +149,13 @@ def test_tensor_parallel_size_must_be_a_positive_integer(value):
         EngineArgs(tensor_parallel_size=value)
 
 
-def test_device_map_and_tensor_parallelism_are_exclusive():
+def test_device_map_and_quantization_exclude_tensor_parallelism():
     with pytest.raises(ValueError, match="device_map and tensor_parallel_size > 1 cannot be "
                                          "combined"):
         EngineArgs(tensor_parallel_size=2, device_map="cpu:1,cpu:1")
+    with pytest.raises(ValueError, match="quantization 'gguf' and tensor_parallel_size > 1 "
+                                         "cannot be combined"):
+        EngineArgs(tensor_parallel_size=2, quantization="gguf")
 
 
 @pytest.mark.parametrize("heads, kv, size, message", [

@@ -1,0 +1,16 @@
+"""Benchmarks: `pagedllm bench <workload>` prints numbers (never asserted by tests).
+
+WORKLOAD_HELP is what `pagedllm bench --help` lists; it lives here, apart from the
+workloads, so the help needs no torch.
+"""
+
+WORKLOAD_HELP = {
+    "cpu": "the default model on the CPU vs transformers generate: output tokens/s",
+    "nano": "Qwen3-0.6B shape, 256 sequences (nano-vllm's benchmark) vs transformers CB",
+    "decode-8b": "Llama-3-8B shape, one request: decode speed vs memory bandwidth",
+    "throughput-8b": "Llama-3-8B shape, 512 requests: output tokens/s",
+    "prefix-8b": "requests sharing a 2,000-token prefix: prefix caching on vs off",
+    "scheduler": "scheduler + block manager time per decode step, no model",
+    "serve": "concurrent streaming clients against the OpenAI-compatible server",
+    "load": "LLM(), `pagedllm --help` and `generate` in fresh processes vs transformers' load",
+}

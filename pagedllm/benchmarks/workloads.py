@@ -29,9 +29,9 @@ from typing import Any
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.benchmarks import peers
+from pagedllm.benchmarks import WORKLOAD_HELP, cpu_targets, peers
 from pagedllm.benchmarks.scheduler_bench import run_scheduler_bench
-from pagedllm.config import DTYPES, LOAD_FORMATS, resolve_dtype
+from pagedllm.config import DTYPES, LOAD_FORMATS, QUANTIZATIONS, resolve_dtype
 from pagedllm.entrypoints.usage import EXIT_USAGE, Parser, UsageError
 
 # Real text for the `cpu` workload: a chat model sees text, not random ids. Prompts are
@@ -129,6 +129,9 @@ def build_parser(workload: Workload) -> argparse.ArgumentParser:
     p.add_argument("--load-format", default=w.load_format,
                    choices=LOAD_FORMATS)
     p.add_argument("--dtype", default=w.dtype, choices=DTYPES)
+    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                   help="gguf: a GGUF's blocks kept packed (the CPU's default for GGUF files); "
+                   "fp8: FP8 weights on CUDA")
     p.add_argument("--device", default="cuda" if w.needs_cuda else "cpu")
     p.add_argument("--device-map", default=None)
     p.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -146,6 +149,15 @@ def build_parser(workload: Workload) -> argparse.ArgumentParser:
         p.add_argument("--repeats", type=int, default=3,
                        help="pairs of runs, pagedllm then transformers, each pair on its "
                        "own prompts (default 3); the ratio is the median of the pairs'")
+        targets = p.add_mutually_exclusive_group()
+        targets.add_argument("--targets", dest="targets", action="store_true", default=True,
+                             help="also time 1 stream, 16 streams and a 512-token prefill "
+                             "with the GGUF packed, dequantized and in llama.cpp (default)")
+        targets.add_argument("--no-targets", dest="targets", action="store_false")
+        p.add_argument("--target-tokens", type=int, default=128,
+                       help="new tokens per stream of the target rows (default 128)")
+        p.add_argument("--target-streams", type=int, default=16)
+        p.add_argument("--prefill-len", type=int, default=512)
     if w.name == "nano":
         p.add_argument("--temperature", type=float, default=0.6)
         p.add_argument("--peer-max-tokens", type=int, default=None,
@@ -180,7 +192,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     workload = WORKLOADS.get(argv[0])
     if workload is None:
         raise UsageError(
-            f"unknown benchmark workload {argv[0]!r}; choose from: serve, {', '.join(WORKLOADS)}"
+            f"unknown benchmark workload {argv[0]!r}; choose from: "
+            f"{', '.join(WORKLOAD_HELP)}"
         )
     args = build_parser(workload).parse_args(argv[1:])
     args.workload = workload.name
@@ -190,7 +203,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                      workload.output_len)
     if args.num_requests < 1:
         raise UsageError(f"--num-requests must be at least 1, got {args.num_requests}")
-    for name in ("num_steps", "prefix_len", "peer_max_tokens", "repeats"):
+    for name in ("num_steps", "prefix_len", "peer_max_tokens", "repeats", "target_tokens",
+                 "target_streams", "prefill_len"):
         value = getattr(args, name, None)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -260,7 +274,8 @@ def text_prompts(tokenizer, rng: random.Random, n: int, lengths: tuple[int, int]
 
 def engine_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
     kwargs = dict(
-        load_format=args.load_format, dtype=args.dtype, device=args.device,
+        load_format=args.load_format, dtype=args.dtype, quantization=args.quantization,
+        device=args.device,
         device_map=args.device_map, seed=args.seed, enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size,
         num_scheduler_steps=args.num_scheduler_steps, async_scheduling=args.async_scheduling,
@@ -386,18 +401,61 @@ def bench_cpu(args: argparse.Namespace) -> Report:
             runs.append(theirs)
             if isinstance(theirs, RunResult):
                 ratios.append(_ratio(ours, theirs))
+    quantization = llm.engine.worker.quantization
     llm.engine.shutdown()  # tensor-parallel ranks, if any
     del llm
     peer_model.clear()
     free_memory()
     summary = {"prompts": kind, "output_len": max_tokens, "target_ratio": 2.0,
-               "num_threads": torch.get_num_threads(), "repeats": args.repeats}
+               "num_threads": torch.get_num_threads(), "repeats": args.repeats,
+               "pagedllm_weights": quantization or args.dtype}
     if args.peer and len(ratios) == args.repeats:
         summary["ratio"] = ratio = statistics.median(ratios)
         if len(ratios) > 1:
             summary["ratios_per_pair"] = ", ".join(f"{r:.3f}" for r in ratios)
         summary["meets_target"] = ratio >= 2.0
-    return Report("cpu", WORKLOADS["cpu"].description, runs, summary, THROUGHPUT_COLUMNS)
+    columns = THROUGHPUT_COLUMNS
+    if args.targets:
+        target_rows, notes = _cpu_target_rows(args)
+        runs += target_rows
+        summary.update(notes)
+        columns = THROUGHPUT_COLUMNS + [("rate", "target rate", "{:.1f}")]
+    return Report("cpu", WORKLOADS["cpu"].description, runs, summary, columns)
+
+
+def _cpu_target_rows(args: argparse.Namespace) -> tuple[list[dict], dict[str, Any]]:
+    """Issue 16's rows (benchmarks/cpu_targets.py): the GGUF kept packed, dequantized, and
+    in llama.cpp when llama-cpp-python is importable."""
+    model = args.model
+    if args.load_format not in ("auto", "gguf") or (model and not str(model).endswith(".gguf")):
+        return [], {"targets": "skipped: the target rows compare a GGUF file's packed and "
+                               "dequantized weights"}
+    from pagedllm.loader import default_model_path
+
+    kv = args.kv_cache_memory or str(512 << 20)
+    engines = {"gguf": make_llm(args, quantization="gguf", dtype="auto", kv_cache_memory=kv),
+               "fp32": make_llm(args, quantization=None, dtype="float32", kv_cache_memory=kv)}
+    tokenizer = engines["gguf"].get_tokenizer()
+
+    def prompts(n: int, length: int, seed: int) -> list[list[int]]:
+        rng = random.Random(seed)
+        if tokenizer is None:
+            return random_prompts(rng, n, (length, length))
+        return text_prompts(tokenizer, rng, n, (length, length))
+
+    runners = {name: cpu_targets.pagedllm_runner(llm) for name, llm in engines.items()}
+    for llm in engines.values():
+        warm_up(llm)
+    peer, note = cpu_targets.llama_cpp_runner(model or default_model_path(),
+                                              torch.get_num_threads())
+    if peer is not None:
+        runners["llama.cpp"] = peer
+    shapes = cpu_targets.Shapes(decode_tokens=args.target_tokens, streams=args.target_streams,
+                                prefill_len=args.prefill_len)
+    rows = cpu_targets.measure(runners, prompts, shapes, args.repeats, {"llama.cpp"})
+    del engines, runners
+    free_memory()
+    return rows, {**cpu_targets.summarize(rows, shapes), "llama.cpp": note}
 
 
 def bench_nano(args: argparse.Namespace) -> Report:
@@ -454,9 +512,11 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats:
 
 
 def weight_bytes_per_token(model: torch.nn.Module) -> int:
-    """Bytes of weights one decode step reads: all parameters, except an untied input
-    embedding, of which a step reads only one row per token."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of weights one decode step reads: all parameters and buffers (quantized
+    weights are buffers), except an untied input embedding, of which a step reads only one
+    row per token."""
+    tensors = list(model.parameters()) + list(model.buffers())
+    total = sum(t.numel() * t.element_size() for t in tensors)
     embedding = getattr(getattr(model, "embed_tokens", None), "weight", None)
     head = getattr(model, "lm_head", None)  # None: tied to the embedding, read in full
     if head is not None and embedding is not None and head.weight is not embedding:

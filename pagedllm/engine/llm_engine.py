@@ -40,6 +40,7 @@ class EngineStats:
     num_preemptions: int
     num_gpu_blocks: int
     block_size: int
+    weight_bytes: int = 0  # the model's weights as stored (packed GGUF / FP8 count as such)
 
 
 @dataclass
@@ -388,6 +389,7 @@ class LLMEngine:
             num_preemptions=s.num_preemptions,
             num_gpu_blocks=self.worker.num_gpu_blocks,
             block_size=self.block_size,
+            weight_bytes=self.worker.weight_bytes,
         )
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:

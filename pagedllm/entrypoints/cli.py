@@ -54,13 +54,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(chat)
     EngineArgs.add_cli_args(chat)
 
+    from pagedllm.benchmarks import WORKLOAD_HELP
+
+    width = max(map(len, WORKLOAD_HELP))
     bench = sub.add_parser(
         "bench", help="run a benchmark workload",
-        description="Run a benchmark: `pagedllm bench serve --help` drives the HTTP server "
-        "with concurrent streaming clients; other workloads come from "
-        "pagedllm.benchmarks.workloads.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run a benchmark workload; `pagedllm bench WORKLOAD --help` shows its "
+        "options.\n\nworkloads:\n" + "\n".join(
+            f"  {name:<{width}}  {text}" for name, text in WORKLOAD_HELP.items()),
     )
-    bench.add_argument("workload", help="`serve`, or a workload of pagedllm.benchmarks.workloads")
+    bench.add_argument("workload", metavar="WORKLOAD", help="one of the workloads above")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="options of the workload")
     return parser
 
@@ -224,9 +228,9 @@ def stream_answer(engine, prompt: str | list[int], params, request_id: str) -> s
 
 
 def _chat_prompt(engine, messages: list[dict]) -> list[int]:
-    # As LLM.chat: the template writes the special tokens, so none are added.
-    text = engine.apply_chat_template(messages, add_generation_prompt=True)
-    return engine.tokenizer.encode(text, add_special_tokens=False)
+    from pagedllm.entrypoints.chat_utils import apply_chat_template
+
+    return apply_chat_template(engine.tokenizer, messages)  # as LLM.chat
 
 
 def _has_chat_template(engine) -> bool:
@@ -296,6 +300,10 @@ def run_bench(workload: str, argv: list[str]) -> int:
         from pagedllm.benchmarks import serve_bench
 
         return serve_bench.main(argv)
+    if workload == "load":
+        from pagedllm.benchmarks import load_bench
+
+        return load_bench.main(argv)
     from pagedllm.benchmarks import workloads  # imported here: it pulls in the peers
 
     return workloads.main([workload, *argv])

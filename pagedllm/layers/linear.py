@@ -1,12 +1,14 @@
-"""Linear layers whose CPU fp32 weights are prepacked for MKL's GEMM.
+"""Linear layers whose CPU fp32 weights can be prepacked for MKL's GEMM.
 
 MKL can lay a GEMM's weight matrix out once in its own blocked format (`cblas_sgemm_pack`)
-and skip that work on every call. On this project's 2-core CPU that makes the linears of a
-32-sequence decode step about 20% faster, with the same results as F.linear; prompt batches
-measured no faster, so they keep F.linear. torch exposes it as the `mkl::_mkl_linear` op,
-the one its own compiler uses for frozen CPU models; the packed copy takes as much memory
-again as the weights it packs. Anywhere else (CUDA, other dtypes: where the backend of
-layers/dispatch.py does not pack, or without MKL) a Linear is nn.Linear.
+and skip that work on every call; torch exposes it as the `mkl::_mkl_linear` op, the one its
+own compiler uses for frozen CPU models. The packed copy takes 2-16x the memory of the
+weight it packs (more for small matrices), and packing a model takes seconds. Measured on an
+AMD EPYC (AVX2, 2 threads, SmolLM2-135M, 32 decoding sequences), only the LM head gains (4-5%
+more tokens per CPU-second); the other linears do not. So the worker packs the head lazily,
+on the first batched decode step (pack_head_when_batched), and every linear only when
+PAGEDLLM_MKL_PACK=all. Prompt batches keep F.linear. Anywhere else (CUDA, other dtypes:
+where the backend of layers/dispatch.py does not pack, or without MKL) a Linear is nn.Linear.
 """
 from __future__ import annotations
 
@@ -80,16 +82,34 @@ def prepack_model(model: nn.Module) -> int:
     """Pack every Linear of the model whose weight is CPU fp32, and the input embedding when
     it doubles as the LM head (tied embeddings); the number of weights packed."""
     count = sum(m.prepack() for m in model.modules() if isinstance(m, Linear))
-    if getattr(model, "lm_head", True) is None:
-        model.packed_tied_head = pack_for_mkl(model.embed_tokens.weight)
-        count += model.packed_tied_head is not None
+    if getattr(model, "lm_head", True) is None and isinstance(model.embed_tokens, nn.Embedding):
+        count += prepack_head(model)
     return count
+
+
+def prepack_head(model: nn.Module) -> bool:
+    """Pack the LM head (the input embedding when tied); whether it was packed."""
+    if model.lm_head is not None:
+        return model.lm_head.prepack()
+    model.packed_tied_head = pack_for_mkl(model.embed_tokens.weight)
+    return model.packed_tied_head is not None
 
 
 def compute_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """fp32 logits from the model's LM head, or from its input embedding when tied. Under
     tensor parallelism each rank holds a slice of the vocabulary: the slices are gathered,
-    so every rank gets the whole row (and samples the same tokens)."""
+    so every rank gets the whole row (and samples the same tokens).
+
+    With model.pack_head_when_batched set, the first call of 2 to MAX_PACKED_ROWS rows packs
+    the head first (a single sequence gains nothing from it)."""
+    head = model.lm_head if model.lm_head is not None else model.embed_tokens
+    if not isinstance(head, (nn.Linear, nn.Embedding)):  # quantized (gguf_linear, fp8_linear)
+        device = next(head.buffers()).device
+        forward = head if model.lm_head is not None else head.as_lm_head
+        return forward(hidden.to(device)).float()
+    if getattr(model, "pack_head_when_batched", False) and 2 <= hidden.shape[0] <= MAX_PACKED_ROWS:
+        model.pack_head_when_batched = False
+        prepack_head(model)
     if model.lm_head is not None:
         weight, packed = model.lm_head.weight, model.lm_head.packed
     else:

@@ -5,7 +5,7 @@ import functools
 import logging
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,7 +15,9 @@ import numpy as np
 import torch
 
 from pagedllm.config import ModelConfig
+from pagedllm.layers.gguf_linear import PackedWeight
 from pagedllm.loader.errors import ModelLoadError, first_line
+from pagedllm.loader.gguf_dequant import dequantize
 from pagedllm.loader.source import WeightIterator
 
 logger = logging.getLogger(__name__)
@@ -73,13 +75,31 @@ def open_gguf(path: str) -> gguf.GGUFReader:
 _READERS: dict[tuple[str, int, int], gguf.GGUFReader] = {}
 
 
+class _Reader(gguf.GGUFReader):
+    """GGUFReader reading its header through a plain ndarray view of the memory map.
+
+    The reader slices the map once per metadata value (~150,000 times for a 49k-token
+    vocabulary with its merges), and slicing an np.memmap runs Python code each time;
+    the same bytes through a plain view parse about 4x faster, with identical results.
+    """
+
+    def _get(self, offset, dtype, count=1, override_order=None):
+        plain = self.__dict__.get("_plain")
+        if plain is None:
+            plain = self._plain = self.data.view(np.ndarray)
+        count = int(count)
+        arr = plain[offset:offset + np.dtype(dtype).itemsize * count].view(dtype=dtype)[:count]
+        order = self.byte_order if override_order is None else override_order
+        return arr.view(arr.dtype.newbyteorder(order))
+
+
 def _open_gguf(path: str) -> gguf.GGUFReader:
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
         raise ModelLoadError(path, "not a GGUF file (bad magic bytes)")
     try:
-        return gguf.GGUFReader(path)
+        return _Reader(path)
     except Exception as e:  # numpy reshape / index errors from a cut or damaged file
         raise ModelLoadError(path, "truncated or corrupt GGUF file") from e
 
@@ -217,12 +237,17 @@ def _can_dequantize(qtype: gguf.GGMLQuantizationType) -> bool:
 
 
 def _iter_weights(
-    path: str, plan: list[_PlannedTensor], dtype: torch.dtype
-) -> Iterator[tuple[str, torch.Tensor]]:
+    path: str, plan: list[_PlannedTensor], dtype: torch.dtype,
+    keep_packed: Collection[str] = frozenset(),
+) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
+    """Dequantized tensors, except those named in keep_packed: their blocks as stored."""
     for item in plan:
         t = item.tensor
+        if item.hf_name in keep_packed:
+            yield item.hf_name, _packed(item)
+            continue
         try:
-            array = gguf.quants.dequantize(t.data, t.tensor_type)
+            array = dequantize(t.data, t.tensor_type)
             # GGUF lists dimensions innermost first.
             array = array.reshape([int(d) for d in reversed(t.shape)])
         except Exception as e:
@@ -233,6 +258,25 @@ def _iter_weights(
         if not array.flags.writeable:  # a view of the read-only memory map
             array = array.copy()
         yield item.hf_name, torch.from_numpy(array).to(dtype)
+
+
+def _packed(item: _PlannedTensor) -> PackedWeight:
+    t = item.tensor
+    blocks = t.data  # [rows, row_bytes] of the memory map; rows hold whole blocks
+    if item.permute_heads is not None:  # rows move whole, so the packed rows permute as well
+        blocks = unpermute_rotary_rows(blocks, item.permute_heads)
+    return PackedWeight(int(t.tensor_type), blocks, int(t.shape[1]), int(t.shape[0]))
+
+
+def packed_tensor_types(path: str) -> dict[str, tuple[int, int, int]]:
+    """Hugging Face name -> (GGML type, rows, cols) of each 2-D tensor of a GGUF file: what
+    `--quantization gguf` can keep packed."""
+    types = {}
+    for t in open_gguf(path).tensors:
+        name = hf_tensor_name(t.name)
+        if name is not None and len(t.shape) == 2:
+            types[name] = (int(t.tensor_type), int(t.shape[1]), int(t.shape[0]))
+    return types
 
 
 def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:

@@ -1,15 +1,22 @@
 """Tokenizers (with their chat templates) through transformers: HF files, GGUF metadata or hub."""
 from __future__ import annotations
 
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pagedllm.loader import hub
 from pagedllm.loader.errors import ModelLoadError, first_line
-from pagedllm.loader.gguf_loader import file_key
+from pagedllm.loader.gguf_loader import file_key, open_gguf
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
 
 _GGUF_TOKENIZERS: dict[tuple[str, int, int], PreTrainedTokenizerBase] = {}
 
@@ -18,6 +25,47 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 def has_tokenizer_files(folder: str | Path) -> bool:
     return any((Path(folder) / name).is_file() for name in TOKENIZER_FILES)
+
+
+def _gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    """transformers' tokenizer of a GGUF, saved once under the cache directory.
+
+    transformers builds it from the GGUF's vocabulary, merges and chat template after
+    parsing the whole file again (5-10 s on 2 cores); the saved tokenizer.json loads in a
+    fraction of a second. The cache key is a hash of the file's header (everything but the
+    tensor data: the tokenizer's only source) and of the transformers version.
+    """
+    from transformers import AutoTokenizer
+
+    folder = _cache_folder(path)
+    if (folder / "tokenizer_config.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(str(folder))
+        except Exception as e:  # a damaged entry: rebuild it
+            logger.warning("ignoring the cached tokenizer in %s (%s)", folder, first_line(e))
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=folder.parent, prefix=".partial-")
+        try:
+            tokenizer.save_pretrained(tmp)
+            shutil.rmtree(folder, ignore_errors=True)  # a damaged entry
+            os.replace(tmp, folder)  # whole entries only; another process may win the race
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as e:  # e.g. a read-only home: it works, only slower next time
+        logger.warning("cannot cache the tokenizer in %s (%s)", folder, first_line(e))
+    return tokenizer
+
+
+def _cache_folder(path: Path) -> Path:
+    import transformers
+
+    reader = open_gguf(str(path))
+    digest = hashlib.sha256(transformers.__version__.encode())
+    digest.update(bytes(reader.data[: reader.data_offset]))
+    root = os.environ.get("PAGEDLLM_CACHE_DIR") or Path.home() / ".cache" / "pagedllm"
+    return Path(root) / "tokenizers" / digest.hexdigest()[:32]
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
@@ -41,11 +89,9 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
         if p.is_file():
             if p.suffix != ".gguf":
                 raise ModelLoadError(path, "a tokenizer is a directory, a .gguf file or a hub id")
-            # transformers converts the GGUF's vocabulary, merges and chat template; that
-            # re-reads the file (seconds), so do it once per file and process.
             key = file_key(str(p))
             if key not in _GGUF_TOKENIZERS:
-                _GGUF_TOKENIZERS[key] = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+                _GGUF_TOKENIZERS[key] = _gguf_tokenizer(p)
             return _GGUF_TOKENIZERS[key]
         return AutoTokenizer.from_pretrained(str(p))
     except ModelLoadError:

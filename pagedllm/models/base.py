@@ -18,6 +18,7 @@ from torch import nn
 
 from pagedllm.config import ModelConfig
 from pagedllm.kernels.metadata import PagedAttentionInputMetadata
+from pagedllm.layers.gguf_linear import PackedWeight
 from pagedllm.layers.linear import compute_logits
 from pagedllm.models.device_map import DeviceMap, on_device
 
@@ -106,7 +107,8 @@ class CausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors as they arrive; a clear error for a tensor the model
-        has no place for, one of the wrong shape, or one the checkpoint lacks."""
+        has no place for, one of the wrong shape, or one the checkpoint lacks. A PackedWeight
+        goes to its packed module as it is (the worker checks those are complete)."""
         params = dict(self.named_parameters())
         loaded: set[tuple[str, int | None]] = set()
         for name, tensor in weights:
@@ -116,6 +118,10 @@ class CausalLM(nn.Module):
             if target is None:
                 continue
             param_name, shard = target
+            if isinstance(tensor, PackedWeight):  # GGUF blocks kept packed
+                module = self.get_submodule(param_name.removesuffix(".weight"))
+                module.load_packed(shard or 0, tensor)
+                continue
             if param_name not in params:
                 raise ValueError(f"unexpected weight {name!r} for {self.config.architecture}")
             expected = self._expected_shape(param_name, shard)

@@ -7,7 +7,9 @@ a layer's cache is a view of it, so a swap or a copy is one gather per group, no
 from __future__ import annotations
 
 import logging
+import math
 
+import numpy as np
 import torch
 
 from pagedllm.config import ModelConfig
@@ -20,6 +22,23 @@ def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, nu
     """Bytes one block takes over `num_layers` layers (keys and values)."""
     per_layer = 2 * block_size * config.num_key_value_heads * config.head_dim
     return per_layer * num_layers * torch.tensor([], dtype=dtype).element_size()
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+          pin_memory: bool = False) -> torch.Tensor:
+    """torch.zeros, but in plain host memory the pages are zeroed by the OS on first use.
+
+    torch.zeros writes every byte now: 2-3 s for a default CPU cache and swap pool of 3 GiB,
+    most of which a short session never touches. numpy.zeros takes its memory from calloc,
+    which for large sizes maps fresh pages that the kernel hands out zeroed when first
+    touched. (Zeros, not garbage: attention multiplies masked-out values by zero weights.)
+    """
+    if device.type != "cpu" or pin_memory:
+        return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+    nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+    buffer = np.zeros(nbytes + 64, dtype=np.uint8)
+    start = -buffer.ctypes.data % 64  # cache-line aligned, as torch's allocator would give
+    return torch.from_numpy(buffer[start:start + nbytes]).view(dtype).view(shape)
 
 
 class CacheEngine:
@@ -40,13 +59,12 @@ class CacheEngine:
         # "gpu" blocks live on each group's own device (which may be the CPU); the swap pool
         # is host memory, pinned where it feeds a CUDA device.
         self.group_caches = [
-            torch.zeros((g.num_layers, shape[0], num_gpu_blocks, *shape[1:]), dtype=dtype,
-                        device=g.device)
+            zeros((g.num_layers, shape[0], num_gpu_blocks, *shape[1:]), dtype, g.device)
             for g in device_map.groups
         ]
         self.group_swap = [
-            torch.zeros((g.num_layers, shape[0], num_cpu_blocks, *shape[1:]), dtype=dtype,
-                        pin_memory=g.device.type == "cuda")
+            zeros((g.num_layers, shape[0], num_cpu_blocks, *shape[1:]), dtype, torch.device("cpu"),
+                  pin_memory=g.device.type == "cuda")
             for g in device_map.groups
         ]
         # Per layer, in layer order: what the model's forward takes.

@@ -3,8 +3,11 @@ step batches (cache swaps/copies, then the forward and sampling). It reads nothi
 engine but the plain StepBatch (worker/inputs.py)."""
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
 import math
+import os
 from dataclasses import replace
 
 import torch
@@ -15,9 +18,12 @@ from pagedllm.distributed import parallel_state as ps
 from pagedllm.distributed.communication import all_reduce_min
 from pagedllm.engine_args import EngineArgs
 from pagedllm.kernels.metadata import PagedAttentionInputMetadata, slots_for
+from pagedllm.layers.gguf_linear import unloaded_parts
 from pagedllm.loader import initialize_dummy_weights, load_model_source
+from pagedllm.loader.gguf_loader import packed_tensor_types
 from pagedllm.models.device_map import DeviceMap
 from pagedllm.models.registry import build_model
+from pagedllm.layers import dispatch
 from pagedllm.layers.linear import prepack_model
 from pagedllm.worker import memory
 from pagedllm.worker.cache_engine import CacheEngine, bytes_per_block
@@ -27,6 +33,9 @@ from pagedllm.worker.placement import (
 )
 from pagedllm.worker.inputs import StepBatch, StepResult
 from pagedllm.worker.model_runner import ModelRunner, PendingStep
+from pagedllm.worker.quantization import (
+    describe_gguf, pack_gguf_modules, quantize_fp8, resolve_quantization,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +67,21 @@ def tp_device(device: torch.device, device_map: str) -> torch.device:
     return torch.device("cuda", local)
 
 
+@contextlib.contextmanager
+def _no_init():
+    """Skip the random init of parameters built on the meta device: they get their values
+    only after placement, and nn.init.normal_ on meta imports torch._dynamo (2-4 s)."""
+    names = [n for n in dir(nn.init) if n.endswith("_") and not n.startswith("_")]
+    saved = {n: getattr(nn.init, n) for n in names}
+    for n in names:
+        setattr(nn.init, n, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(nn.init, n, fn)
+
+
 class Worker:
     def __init__(self, args: EngineArgs) -> None:
         source = load_model_source(args.model, args.load_format, args.tokenizer)
@@ -80,6 +104,11 @@ class Worker:
         if explicit_map is not None:
             device = explicit_map.input_device
         self.dtype = resolve_dtype(args.dtype, device)
+        self.quantization = resolve_quantization(
+            args.quantization, source.load_format,
+            explicit_map.devices if explicit_map is not None else [device], args.dtype)
+        if ps.is_initialized():
+            self.quantization = None  # the sharded layers hold plain weights (EngineArgs checks)
         self.max_model_len = min(args.max_model_len or config.max_position_embeddings,
                                  config.max_position_embeddings)
         # On the CPU, prompt batches of 2048 tokens keep the GEMMs near their best rate.
@@ -92,7 +121,7 @@ class Worker:
         self.model = self._load_model(source, args, explicit_map or (
             "auto" if spec == "auto" else DeviceMap.single(device, num_layers)))
         head = self.model.lm_head if self.model.lm_head is not None else self.model.embed_tokens
-        self.logits_device = head.weight.device
+        self.logits_device = next(itertools.chain(head.parameters(), head.buffers())).device
         eos = list(config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.append(self.tokenizer.eos_token_id)
@@ -135,29 +164,51 @@ class Worker:
         previous = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            with torch.device("meta"):
+            with torch.device("meta"), _no_init():
                 model = build_model(source.config)
         finally:
             torch.set_default_dtype(previous)
+        keep_packed: set[str] = set()
+        if self.quantization == "gguf":
+            keep_packed = pack_gguf_modules(model, packed_tensor_types(source.path))
         self.device_map = self._place(model, args, device_map)
         if source.load_format == "dummy":
             initialize_dummy_weights(model, args.seed)
         else:
-            model.load_weights(source.iter_weights(self.dtype))
+            model.load_weights(source.iter_weights(self.dtype, keep_packed,
+                                                   memory.module_bytes(model)))
+        missing = unloaded_parts(model)
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:5])}")
+        if keep_packed:
+            logger.info(describe_gguf(model))
+        if self.quantization == "fp8":
+            logger.info("%d linears quantized to FP8 E4M3 (per-channel scales)",
+                        quantize_fp8(model))
+        self.weight_bytes = memory.module_bytes(model)
+        logger.info("weights: %.1f MiB (%s)", self.weight_bytes / (1 << 20),
+                    self.quantization or str(self.dtype).removeprefix("torch."))
         self._prepack_cpu_linears(model)
         return model.eval()
 
     def _prepack_cpu_linears(self, model: nn.Module) -> None:
-        """MKL-packed copies of the CPU fp32 linear weights (layers/linear.py), when RAM holds
-        a second copy with room to spare."""
-        on_cpu = sum(p.numel() * p.element_size() for p in model.parameters()
-                     if p.device.type == "cpu" and p.dtype == torch.float32)
-        if not on_cpu:
+        """MKL-packed weights where they pay (layers/linear.py): the CPU fp32 LM head, on the
+        first batched decode step; every linear, now, with PAGEDLLM_MKL_PACK=all. Only when
+        RAM holds the packed copies with room to spare."""
+        head = model.lm_head if model.lm_head is not None else model.embed_tokens
+        weight = getattr(head, "weight", None)  # none on a GGUF-packed head
+        if not isinstance(weight, torch.Tensor) or not dispatch.choose(
+                weight.device, weight.dtype).packs_linears:
             return
-        if on_cpu > memory.free_memory(torch.device("cpu")) // 2:
-            logger.info("CPU linears stay unpacked: too little free RAM for a packed copy")
-            return
-        logger.info("packed %d CPU linear weights for MKL", prepack_model(model))
+        pack_all = os.environ.get("PAGEDLLM_MKL_PACK", "head") == "all"
+        weights = model.parameters() if pack_all else [weight]
+        size = sum(p.numel() * p.element_size() for p in weights if p.device.type == "cpu")
+        if 3 * size > memory.free_memory(torch.device("cpu")) // 2:
+            logger.info("CPU linears stay unpacked: too little free RAM for packed copies")
+        elif pack_all:
+            logger.info("packed %d CPU linear weights for MKL", prepack_model(model))
+        else:
+            model.pack_head_when_batched = True
 
     def _place(self, model: nn.Module, args: EngineArgs, device_map: DeviceMap | str) -> DeviceMap:
         """Decide the map ("auto": by free memory), check the weights fit, materialise."""
@@ -166,9 +217,7 @@ class Worker:
             device_map = plan_auto(self._usable_memory(args), PlacementInputs(
                 sizes,
                 kv_block_bytes=bytes_per_block(self.kv_config, args.block_size, self.dtype, 1),
-                activation_peak=memory.estimate_activation_peak(
-                    self.model_config, self.max_num_batched_tokens,
-                    min(self.max_num_seqs, self.max_num_batched_tokens), self.dtype),
+                activation_peak=self._activation_peak(),
                 min_blocks=math.ceil(self.max_model_len / args.block_size),
             ))
         weights = sizes.per_device(device_map)
@@ -191,7 +240,14 @@ class Worker:
     # ---------------------------------------------------------------- profiling
     def _profile_num_blocks(self, args: EngineArgs) -> int:
         devices = self.device_map.devices
-        peaks = memory.profile_peak_memory(self._profile_run, devices)
+        if all(d.type == "cpu" for d in devices):
+            # A profiling forward of the largest batch took 5-10 s on 2 cores, and the high-
+            # water mark of the process' RSS measures it only roughly: the CPU takes the
+            # analytic bound, which covers what such a forward was measured to use.
+            peak = self._activation_peak()
+            peaks = {d: peak for d in devices}
+        else:
+            peaks = memory.profile_peak_memory(self._profile_run, devices)
         if self.runner.graphs is not None:
             # The decode graphs' memory lives beside the eager activations: reserve both.
             pool = memory.profile_peak_memory(self.runner.graphs.profile_run, devices)
@@ -213,6 +269,11 @@ class Worker:
             logger.info("%s: activation peak %.1f MiB, KV budget %.2f GiB", d,
                         peaks[d] / (1 << 20), budgets[d] / (1 << 30))
         return memory.num_blocks_for_budgets(budgets, block_bytes)
+
+    def _activation_peak(self) -> int:
+        return memory.estimate_activation_peak(
+            self.model_config, self.max_num_batched_tokens,
+            min(self.max_num_seqs, self.max_num_batched_tokens), self.dtype, self.max_model_len)
 
     @torch.inference_mode()
     def _profile_run(self) -> None:

@@ -30,6 +30,9 @@ class ServerMetrics:
                                            registry=r)
         self.num_preemptions = Gauge("pagedllm:num_preemptions",
                                      "Preemptions since the engine started", registry=r)
+        self.weight_bytes = Gauge("pagedllm:model_weight_bytes",
+                                  "Bytes of the model's weights as stored (quantized or not)",
+                                  registry=r)
         self.ttft = Histogram("pagedllm:time_to_first_token_seconds",
                               "Time from arrival to the first generated token",
                               buckets=TTFT_BUCKETS, registry=r)
@@ -77,4 +80,5 @@ class ServerMetrics:
         self.kv_cache_usage.set(stats.kv_cache_usage)
         self.prefix_cache_hit_rate.set(stats.prefix_cache_hit_rate)
         self.num_preemptions.set(stats.num_preemptions)
+        self.weight_bytes.set(stats.weight_bytes)
         return generate_latest(self.registry)

@@ -1,0 +1,163 @@
+"""`pagedllm bench load`: how long a new user waits before the first token.
+
+Each measurement runs in a fresh Python process (nothing imported or cached in memory; the
+file system's page cache stays warm after the first run), `--repeats` times, interleaved;
+the table shows the median and the spread. Rows:
+
+    pagedllm --help        the CLI answering, process start to exit
+    LLM()                  `from pagedllm import LLM` and LLM(model), inside the process
+    pagedllm generate      a short answer end to end, process start to exit
+    transformers           AutoTokenizer + AutoModelForCausalLM.from_pretrained of the same
+                           model (gguf_file= for a GGUF), fp32, inside the process
+
+Load figures on a shared machine move with its load: the load average is printed beside them.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PROMPT = "What is the capital of France?"
+
+_PAGEDLLM = """
+import json, sys, time
+start = time.perf_counter()
+from pagedllm import LLM
+imported = time.perf_counter()
+llm = LLM(json.loads(sys.argv[1]))
+print(json.dumps({"import_s": imported - start, "load_s": time.perf_counter() - imported}))
+"""
+
+_TRANSFORMERS = """
+import json, os, sys, time
+start = time.perf_counter()
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+imported = time.perf_counter()
+path = sys.argv[1]
+if path.endswith(".gguf"):
+    folder, name = os.path.split(path)
+    kwargs = {"gguf_file": name}
+else:
+    folder, kwargs = path, {}
+AutoTokenizer.from_pretrained(folder, **kwargs)
+AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs)
+print(json.dumps({"import_s": imported - start, "load_s": time.perf_counter() - imported}))
+"""
+
+
+ROOT = str(Path(__file__).resolve().parents[2])  # the pagedllm being measured
+
+
+def _env() -> dict[str, str]:
+    path = os.environ.get("PYTHONPATH")
+    return dict(os.environ, PYTHONPATH=ROOT + (os.pathsep + path if path else ""))
+
+
+def _run(argv: list[str], timeout: float) -> tuple[float, dict]:
+    """Wall seconds of one fresh process, and the JSON it printed last (if any)."""
+    start = time.perf_counter()
+    # Run in ROOT: `python -m` and `-c` put the working directory first on sys.path, so
+    # another checkout there would be measured instead.
+    result = subprocess.run([sys.executable, *argv], capture_output=True, text=True,
+                            env=_env(), cwd=ROOT, timeout=timeout)
+    wall = time.perf_counter() - start
+    if result.returncode != 0:
+        tail = (result.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise RuntimeError(f"`{' '.join(argv[:4])} ...` failed: {tail}")
+    lines = result.stdout.strip().splitlines()
+    inner = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {}
+    return wall, inner
+
+
+def _summary(values: list[float]) -> dict[str, float]:
+    return {"median_s": statistics.median(values), "min_s": min(values), "max_s": max(values)}
+
+
+def measure(model: str | None, repeats: int, max_tokens: int, peer: bool) -> list[dict]:
+    from pagedllm.loader import default_model_path
+
+    model_args = [] if model is None else ["--model", model]
+    peer_path = model or default_model_path()
+    cases = {
+        "pagedllm --help": lambda: _run(["-m", "pagedllm.entrypoints.cli", "--help"], 60),
+        "LLM()": lambda: _run(["-c", _PAGEDLLM, json.dumps(model)], 600),
+        f"pagedllm generate ({max_tokens} tokens)": lambda: _run(
+            ["-m", "pagedllm.entrypoints.cli", "generate", PROMPT, "--max-tokens",
+             str(max_tokens), *model_args], 600),
+    }
+    if peer and (peer_path.endswith(".gguf") or Path(peer_path).is_dir()):
+        cases["transformers from_pretrained"] = lambda: _run(
+            ["-c", _TRANSFORMERS, peer_path], 600)
+    walls: dict[str, list[float]] = {name: [] for name in cases}
+    inner: dict[str, list[dict]] = {name: [] for name in cases}
+    for _ in range(repeats):  # interleaved, so a busy minute touches every row alike
+        for name, run in cases.items():
+            wall, measured = run()
+            walls[name].append(wall)
+            inner[name].append(measured)
+    rows = []
+    for name in cases:
+        row = {"name": name, "process": _summary(walls[name])}
+        if inner[name][0]:
+            for key in inner[name][0]:
+                row[key.removesuffix("_s")] = _summary([m[key] for m in inner[name]])
+        rows.append(row)
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    def cell(row: dict, key: str) -> str:
+        s = row.get(key)
+        return "-" if s is None else f"{s['median_s']:.2f} ({s['min_s']:.2f}-{s['max_s']:.2f})"
+
+    header = ["", "process wall s", "import s", "load s"]
+    cells = [[r["name"], cell(r, "process"), cell(r, "import"), cell(r, "load")] for r in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(header)]
+    lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w)
+                       for i, (h, w) in enumerate(zip(header, widths)))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(v.ljust(w) if i == 0 else v.rjust(w)
+                        for i, (v, w) in enumerate(zip(c, widths))) for c in cells]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    from pagedllm.entrypoints.usage import EXIT_USAGE, Parser, UsageError
+
+    parser = Parser(prog="pagedllm bench load", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct GGUF")
+    parser.add_argument("--repeats", type=int, default=3, help="fresh processes per row")
+    parser.add_argument("--max-tokens", type=int, default=32, help="for `pagedllm generate`")
+    parser.add_argument("--no-peer", dest="peer", action="store_false",
+                        help="skip transformers' load")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    try:
+        args = parser.parse_args(argv)
+        for name in ("repeats", "max_tokens"):
+            if getattr(args, name) < 1:
+                raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except SystemExit as exc:  # --help
+        return int(exc.code or 0)
+    before = os.getloadavg()[0]
+    try:
+        rows = measure(args.model, args.repeats, args.max_tokens, args.peer)
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    load = {"cores": os.cpu_count(), "load_before": before, "load_after": os.getloadavg()[0]}
+    if args.json:
+        print(json.dumps({"rows": rows, "machine": load}, indent=2))
+    else:
+        print(format_table(rows))
+        print(f"median (min-max) of {args.repeats} fresh processes each; {load['cores']} cores, "
+              f"load average {load['load_before']:.1f} before, {load['load_after']:.1f} after")
+    return 0

@@ -1,0 +1,601 @@
+/* GGUF quantized weights kept packed on the CPU: y = x . W^T with W in llama.cpp's blocks.
+ *
+ * Block layouts (as the gguf package's quants.py defines them; every row of W is a run of
+ * blocks, k / block_size of them):
+ *   Q8_0  34 bytes / 32:   fp16 d, int8 q[32]                         w = q * d
+ *   Q4_0  18 bytes / 32:   fp16 d, q[16] (low nibbles 0-15, high 16-31) w = (q - 8) * d
+ *   Q4_1  20 bytes / 32:   fp16 d, fp16 m, q[16] (as Q4_0)            w = q * d + m
+ *   Q4_K 144 bytes / 256:  fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins for 8
+ *                          sub-blocks of 32, q[128]: 32-byte chunk c holds sub-block 2c in its
+ *                          low nibbles, 2c + 1 in its high nibbles    w = (d*sc) q - dmin*mn
+ *   Q6_K 210 bytes / 256:  ql[128], qh[64], int8 scales[16] (one per 16 values), fp16 d;
+ *                          6-bit q = low 4 bits from ql, high 2 from qh  w = (d*sc) (q - 32)
+ *
+ * dequantize and get_rows compute every weight with the oracle's own fp32 operations and
+ * rounding order (gguf.quants.dequantize: a multiply, then an add for the offset), so they
+ * are bit-exact. The matmul takes fp32 activations in two ways:
+ *   1-4 rows (decode): the activations are quantized to 16-bit integers per block of 32 and
+ *       multiplied with the weights in integer arithmetic, straight from the packed bytes
+ *       (int_matmul): each weight row is read once for all rows;
+ *   more rows: each thread dequantizes a few weight rows at a time into a buffer in L1 and
+ *       multiplies them with the activations in fp32 FMAs (tiled_matmul).
+ * Larger batches (prompts) dequantize whole weights and use BLAS (layers/gguf_linear.py).
+ * OpenMP over output rows; AVX2 + FMA where the compiler targets them, else scalar code.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define QUANT_AVX2 1
+#endif
+
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 }; /* GGMLQuantizationType */
+
+/* ------------------------------------------------------------------------- fp16 */
+
+static inline float fp16_to_fp32(const uint8_t *p) {
+    const uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else if (exp == 0) {
+        if (mant == 0) {
+            bits = sign;
+        } else { /* subnormal: normalise */
+            exp = 113;
+            while (!(mant & 0x400)) {
+                mant <<= 1;
+                exp--;
+            }
+            bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
+        }
+    } else {
+        bits = sign | ((exp + 112) << 23) | (mant << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
+
+#ifdef QUANT_AVX2
+/* two adjacent fp16 values (a block's scale and min) in one conversion */
+static inline void fp16x2_to_fp32(const uint8_t *p, float *a, float *b) {
+    int32_t bits;
+    memcpy(&bits, p, sizeof bits);
+    const __m128 v = _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
+    *a = _mm_cvtss_f32(v);
+    *b = _mm_cvtss_f32(_mm_movehdup_ps(v));
+}
+#endif
+
+/* ------------------------------------------------------------------------- block shapes */
+
+static int64_t block_size(int64_t qtype) {
+    return (qtype == Q4_K || qtype == Q6_K) ? 256 : 32;
+}
+
+static int64_t block_bytes(int64_t qtype) {
+    switch (qtype) {
+    case Q8_0: return 34;
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q4_K: return 144;
+    case Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+int64_t gguf_row_bytes(int64_t qtype, int64_t k) {
+    const int64_t bs = block_size(qtype), bb = block_bytes(qtype);
+    return (bb == 0 || k % bs) ? -1 : k / bs * bb;
+}
+
+/* ------------------------------------------------------------------------- dequantize */
+
+#ifdef QUANT_AVX2
+/* 8 bytes -> 8 floats */
+static inline __m256 u8x8_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
+static inline __m256 i8x8_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
+
+/* 16 bytes of nibble pairs -> 32 floats: low nibbles first, then high nibbles */
+static inline void nibbles_to_ps(const uint8_t *q, __m256 out[4]) {
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)q), mask = _mm_set1_epi8(0x0f);
+    const __m128i lo = _mm_and_si128(bytes, mask);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+    out[0] = u8x8_to_ps(lo);
+    out[1] = u8x8_to_ps(_mm_srli_si128(lo, 8));
+    out[2] = u8x8_to_ps(hi);
+    out[3] = u8x8_to_ps(_mm_srli_si128(hi, 8));
+}
+#endif
+
+static void dequant_q8_0(const uint8_t *b, float *y, int64_t nb) {
+    for (int64_t i = 0; i < nb; i++, b += 34, y += 32) {
+        const float d = fp16_to_fp32(b);
+        const int8_t *q = (const int8_t *)(b + 2);
+#ifdef QUANT_AVX2
+        const __m256 vd = _mm256_set1_ps(d);
+        for (int j = 0; j < 32; j += 8)
+            _mm256_storeu_ps(y + j, _mm256_mul_ps(i8x8_to_ps(_mm_loadl_epi64((const __m128i *)(q + j))), vd));
+#else
+        for (int j = 0; j < 32; j++) y[j] = (float)q[j] * d;
+#endif
+    }
+}
+
+static void dequant_q4_0(const uint8_t *b, float *y, int64_t nb) {
+    for (int64_t i = 0; i < nb; i++, b += 18, y += 32) {
+        const float d = fp16_to_fp32(b);
+        const uint8_t *q = b + 2;
+#ifdef QUANT_AVX2
+        __m256 v[4];
+        nibbles_to_ps(q, v);
+        const __m256 vd = _mm256_set1_ps(d), eight = _mm256_set1_ps(8.0f);
+        for (int j = 0; j < 4; j++)  /* q - 8 is exact in fp32, as the oracle's int8 is */
+            _mm256_storeu_ps(y + 8 * j, _mm256_mul_ps(_mm256_sub_ps(v[j], eight), vd));
+#else
+        for (int j = 0; j < 16; j++) {
+            y[j] = (float)((q[j] & 0x0f) - 8) * d;
+            y[j + 16] = (float)((q[j] >> 4) - 8) * d;
+        }
+#endif
+    }
+}
+
+static void dequant_q4_1(const uint8_t *b, float *y, int64_t nb) {
+    for (int64_t i = 0; i < nb; i++, b += 20, y += 32) {
+        const float d = fp16_to_fp32(b), m = fp16_to_fp32(b + 2);
+        const uint8_t *q = b + 4;
+#ifdef QUANT_AVX2
+        __m256 v[4];
+        nibbles_to_ps(q, v);
+        const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
+        for (int j = 0; j < 4; j++)
+            _mm256_storeu_ps(y + 8 * j, _mm256_add_ps(_mm256_mul_ps(v[j], vd), vm));
+#else
+        for (int j = 0; j < 16; j++) {
+            y[j] = (float)(q[j] & 0x0f) * d + m;
+            y[j + 16] = (float)(q[j] >> 4) * d + m;
+        }
+#endif
+    }
+}
+
+/* Q4_K's 12 bytes of scales: sub-block j's 6-bit scale and min. */
+static inline void q4_k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *mn = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
+        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+static void dequant_q4_k(const uint8_t *b, float *y, int64_t nb) {
+    for (int64_t i = 0; i < nb; i++, b += 144, y += 256) {
+        const float d = fp16_to_fp32(b), dmin = fp16_to_fp32(b + 2);
+        const uint8_t *scales = b + 4, *q = b + 16;
+        for (int c = 0; c < 4; c++, q += 32) {
+            for (int s = 0; s < 2; s++) {
+                int sc, mn;
+                q4_k_scale_min(scales, 2 * c + s, &sc, &mn);
+                const float ds = d * (float)sc, dm = dmin * (float)mn;
+                float *out = y + (2 * c + s) * 32;
+                const int shift = 4 * s;
+#ifdef QUANT_AVX2
+                const __m256 vd = _mm256_set1_ps(ds), vm = _mm256_set1_ps(dm);
+                const __m256i bytes = _mm256_loadu_si256((const __m256i *)q);
+                const __m256i nib = _mm256_and_si256(_mm256_srli_epi16(bytes, shift),
+                                                     _mm256_set1_epi8(0x0f));
+                const __m128i n0 = _mm256_castsi256_si128(nib), n1 = _mm256_extracti128_si256(nib, 1);
+                const __m256 v[4] = {u8x8_to_ps(n0), u8x8_to_ps(_mm_srli_si128(n0, 8)),
+                                     u8x8_to_ps(n1), u8x8_to_ps(_mm_srli_si128(n1, 8))};
+                for (int j = 0; j < 4; j++)
+                    _mm256_storeu_ps(out + 8 * j, _mm256_sub_ps(_mm256_mul_ps(vd, v[j]), vm));
+#else
+                for (int j = 0; j < 32; j++) out[j] = ds * (float)((q[j] >> shift) & 0x0f) - dm;
+#endif
+            }
+        }
+    }
+}
+
+static void dequant_q6_k(const uint8_t *b, float *y, int64_t nb) {
+    for (int64_t i = 0; i < nb; i++, b += 210, y += 256) {
+        const uint8_t *ql = b, *qh = b + 128;
+        const int8_t *scales = (const int8_t *)(b + 192);
+        const float d = fp16_to_fp32(b + 208);
+        for (int h = 0; h < 2; h++) {        /* halves of 128 values */
+            for (int g = 0; g < 4; g++) {    /* groups of 32 within the half */
+                const uint8_t *lo = ql + h * 64 + (g & 1) * 32, *hi = qh + h * 32;
+                const int lshift = (g >> 1) * 4, hshift = 2 * g;
+                float *out = y + h * 128 + g * 32;
+                for (int half = 0; half < 2; half++) { /* 16 values share a scale */
+                    const float ds = d * (float)scales[(h * 128 + g * 32 + half * 16) / 16];
+                    const int o = half * 16;
+#ifdef QUANT_AVX2
+                    const __m128i l = _mm_and_si128(
+                        _mm_srli_epi16(_mm_loadu_si128((const __m128i *)(lo + o)), lshift),
+                        _mm_set1_epi8(0x0f));
+                    const __m128i u = _mm_and_si128(
+                        _mm_srli_epi16(_mm_loadu_si128((const __m128i *)(hi + o)), hshift),
+                        _mm_set1_epi8(0x03));
+                    const __m128i q6 = _mm_sub_epi8(_mm_or_si128(l, _mm_slli_epi16(u, 4)),
+                                                    _mm_set1_epi8(32));
+                    const __m256 vd = _mm256_set1_ps(ds);
+                    _mm256_storeu_ps(out + o, _mm256_mul_ps(vd, i8x8_to_ps(q6)));
+                    _mm256_storeu_ps(out + o + 8,
+                                     _mm256_mul_ps(vd, i8x8_to_ps(_mm_srli_si128(q6, 8))));
+#else
+                    for (int j = o; j < o + 16; j++) {
+                        const int q = ((lo[j] >> lshift) & 0x0f) | (((hi[j] >> hshift) & 3) << 4);
+                        out[j] = ds * (float)(q - 32);
+                    }
+#endif
+                }
+            }
+        }
+    }
+}
+
+/* k values (a whole number of blocks) of one row, from its packed bytes. */
+static void dequant_row(int64_t qtype, const uint8_t *src, float *dst, int64_t k) {
+    const int64_t nb = k / block_size(qtype);
+    switch (qtype) {
+    case Q8_0: dequant_q8_0(src, dst, nb); break;
+    case Q4_0: dequant_q4_0(src, dst, nb); break;
+    case Q4_1: dequant_q4_1(src, dst, nb); break;
+    case Q4_K: dequant_q4_k(src, dst, nb); break;
+    case Q6_K: dequant_q6_k(src, dst, nb); break;
+    default: break;
+    }
+}
+
+/* out [n, k] = the n packed rows of w. */
+void gguf_dequantize_f32(float *out, const uint8_t *w, int64_t qtype, int64_t n, int64_t k,
+                         int64_t num_threads) {
+    const int64_t row_bytes = gguf_row_bytes(qtype, k);
+#pragma omp parallel for num_threads(num_threads) if (n * k >= 65536)
+    for (int64_t r = 0; r < n; r++) dequant_row(qtype, w + r * row_bytes, out + r * k, k);
+}
+
+/* out [num_ids, k] = rows ids of w (the embedding lookup of a packed table). */
+void gguf_get_rows_f32(float *out, const uint8_t *w, int64_t qtype, int64_t k,
+                       const int64_t *ids, int64_t num_ids, int64_t num_threads) {
+    const int64_t row_bytes = gguf_row_bytes(qtype, k);
+#pragma omp parallel for num_threads(num_threads) if (num_ids * k >= 65536)
+    for (int64_t r = 0; r < num_ids; r++)
+        dequant_row(qtype, w + ids[r] * row_bytes, out + r * k, k);
+}
+
+/* ------------------------------------------------------------------------- matmul */
+
+#define KC 1024  /* k per chunk of dequantized weight rows */
+
+#ifdef QUANT_AVX2
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* ---- the tiled path for four or more activation rows. The activations are transposed
+ * once per call into xt [k, rows_padded] (rows padded to a multiple of 8 with zeros), so
+ * that a tile of output is NW weight rows x RV vectors of 8 activation rows: each step of
+ * k broadcasts NW dequantized weights and loads RV activation vectors for NW * RV FMAs,
+ * with no horizontal sums (the shape of a BLAS micro-kernel, with x in the role of B). */
+
+/* part [NW][rp] (+)= w [NW rows, KC apart] . xt [kl, rp] for activation-row vectors
+ * v0 .. v0 + RV of the padded rows. */
+static inline __attribute__((always_inline)) void tile(const float *w, int NW, const float *xt,
+                                                       int64_t rp, int64_t v0, int RV,
+                                                       int64_t kl, float *part, int first) {
+    __m256 a[12][2];
+    for (int t = 0; t < NW; t++)
+        for (int v = 0; v < RV; v++)
+            a[t][v] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(part + t * rp + 8 * (v0 + v));
+    const float *xk = xt + 8 * v0;
+    for (int64_t i = 0; i < kl; i++, xk += rp) {
+        const __m256 x0 = _mm256_loadu_ps(xk), x1 = RV > 1 ? _mm256_loadu_ps(xk + 8) : x0;
+        for (int t = 0; t < NW; t++) {
+            const __m256 wb = _mm256_broadcast_ss(w + t * KC + i);
+            a[t][0] = _mm256_fmadd_ps(wb, x0, a[t][0]);
+            if (RV > 1) a[t][1] = _mm256_fmadd_ps(wb, x1, a[t][1]);
+        }
+    }
+    for (int t = 0; t < NW; t++)
+        for (int v = 0; v < RV; v++) _mm256_storeu_ps(part + t * rp + 8 * (v0 + v), a[t][v]);
+}
+
+/* NW weight rows (dequantized in w) against every activation-row vector. */
+static inline __attribute__((always_inline)) void tile_rows(const float *w, int NW,
+                                                            const float *xt, int64_t rp,
+                                                            int64_t kl, float *part, int first) {
+    int64_t v = 0;
+    for (; v + 2 <= rp / 8; v += 2) tile(w, NW, xt, rp, v, 2, kl, part, first);
+    if (v < rp / 8) tile(w, NW, xt, rp, v, 1, kl, part, first);
+}
+
+#define NW 6  /* weight rows per tile: 6 x 2 vectors = 12 accumulators */
+
+static void tiled_matmul(float *out, int64_t ldo, const float *x, int64_t ldx, int64_t rows,
+                         const uint8_t *w, int64_t qtype, int64_t n, int64_t k,
+                         int64_t num_threads) {
+    const int64_t row_bytes = gguf_row_bytes(qtype, k), bs = block_size(qtype);
+    const int64_t bb = block_bytes(qtype), rp = (rows + 7) / 8 * 8, groups = (n + NW - 1) / NW;
+    float *xt = aligned_alloc(64, (size_t)(k * rp) * sizeof(float) + 64);
+    for (int64_t i = 0; i < k; i++)
+        for (int64_t r = 0; r < rp; r++) xt[i * rp + r] = r < rows ? x[r * ldx + i] : 0.0f;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (n * k * rows >= 131072)
+    for (int64_t g = 0; g < groups; g++) {
+        float wbuf[NW * KC] __attribute__((aligned(64)));
+        float part[NW * 64] __attribute__((aligned(64)));
+        const int64_t n0 = g * NW;
+        const int nw = n - n0 < NW ? (int)(n - n0) : NW;
+        for (int64_t k0 = 0; k0 < k; k0 += KC) {
+            const int64_t kl = k - k0 < KC ? k - k0 : KC;
+            for (int t = 0; t < nw; t++)
+                dequant_row(qtype, w + (n0 + t) * row_bytes + k0 / bs * bb, wbuf + t * KC, kl);
+            const float *xk = xt + k0 * rp;
+            if (nw == NW) {
+                tile_rows(wbuf, NW, xk, rp, kl, part, k0 == 0);
+            } else {
+                for (int t = 0; t < nw; t++)
+                    tile_rows(wbuf + t * KC, 1, xk, rp, kl, part + t * rp, k0 == 0);
+            }
+        }
+        for (int t = 0; t < nw; t++)
+            for (int64_t r = 0; r < rows; r++) out[r * ldo + n0 + t] = part[t * rp + r];
+    }
+    free(xt);
+}
+#undef NW
+#endif
+
+#ifdef QUANT_AVX2
+/* ---- the integer path for one to four activation rows (decode), after llama.cpp's
+ * method with 16-bit activations: each activation row is quantized in blocks of 32 (dx =
+ * max|x| / 32767, qx = round(x / dx), and sx = dx * sum(qx) for the offsets); 32 weights
+ * of a row are widened to 16-bit integers once and meet every activation row in integer
+ * multiply-adds (madd: pairs of int16 products summed to int32), scaled by d * dx in fp32.
+ * A weight row's bytes are read once for all the rows. The result is sum(w * x^) for the
+ * quantized x^ (|x^ - x| <= dx / 2, a relative 1.5e-5 of the block's largest value) up to
+ * fp32 rounding: close to fp32, where 8-bit activations (llama.cpp's) flip greedy tokens. */
+
+#define INT_MAX_ROWS 4
+
+typedef struct {
+    int16_t *q;      /* [k] */
+    float *d, *s;    /* [k / 32]: scale, and scale * sum of the block's q */
+} QuantRow;
+
+static void quantize_row_q16(const float *x, int64_t k, QuantRow r) {
+    for (int64_t b = 0; b < k / 32; b++) {
+        const float *xb = x + 32 * b;
+        __m256 v[4], amax = _mm256_setzero_ps();
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        for (int t = 0; t < 4; t++) {
+            v[t] = _mm256_loadu_ps(xb + 8 * t);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[t]));
+        }
+        __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        m = _mm_max_ss(m, _mm_movehdup_ps(m));
+        const float d = _mm_cvtss_f32(m) / 32767.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        __m256i q[4];
+        for (int t = 0; t < 4; t++)
+            q[t] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[t], _mm256_set1_ps(id)),
+                                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        const __m256i sum32 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]),
+                                               _mm256_add_epi32(q[2], q[3]));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum32), _mm256_extracti128_si256(sum32, 1));
+        s4 = _mm_hadd_epi32(s4, s4);
+        s4 = _mm_hadd_epi32(s4, s4);
+        /* packs works within 128-bit lanes: restore the order with a 64-bit permute */
+        for (int t = 0; t < 2; t++)
+            _mm256_storeu_si256((__m256i *)(r.q + 32 * b + 16 * t),
+                                _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2 * t], q[2 * t + 1]),
+                                                         0xD8));
+        r.d[b] = d;
+        r.s[b] = d * (float)_mm_cvtsi128_si32(s4);
+    }
+}
+
+/* 32 int16 weights (two halves) . 32 int16 activations -> 8 int32 partial sums as fp32 */
+static inline __m256 dot_i16(__m256i w0, __m256i w1, const int16_t *xq) {
+    const __m256i p = _mm256_add_epi32(
+        _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)xq)),
+        _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(xq + 16))));
+    return _mm256_cvtepi32_ps(p);
+}
+
+/* Block j (32 values) of a weight row against NR quantized activation rows, into acc[r]
+ * and the offset terms into corr[r]; QT and NR are constants after inlining. */
+static inline __attribute__((always_inline)) void int_block(int64_t QT, const uint8_t *row,
+                                                            int64_t j, const QuantRow *x,
+                                                            int NR, __m256 *acc, float *corr) {
+    if (QT == Q8_0) {
+        const uint8_t *b = row + j * 34;
+        const float d = fp16_to_fp32(b);
+        const __m128i lo = _mm_loadu_si128((const __m128i *)(b + 2));
+        const __m128i hi = _mm_loadu_si128((const __m128i *)(b + 18));
+        const __m256i w0 = _mm256_cvtepi8_epi16(lo), w1 = _mm256_cvtepi8_epi16(hi);
+        for (int r = 0; r < NR; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[r].d[j]), dot_i16(w0, w1, x[r].q + 32 * j),
+                                     acc[r]);
+    } else if (QT == Q4_0 || QT == Q4_1) {
+        const uint8_t *b = row + j * (QT == Q4_0 ? 18 : 20);
+        float d, off;
+        if (QT == Q4_0) {
+            d = fp16_to_fp32(b);
+            off = -8.0f * d;
+        } else {
+            fp16x2_to_fp32(b, &d, &off);
+        }
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)(b + (QT == Q4_0 ? 2 : 4)));
+        const __m128i mask = _mm_set1_epi8(0x0f);
+        const __m256i w0 = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, mask));
+        const __m256i w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
+        for (int r = 0; r < NR; r++) {
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[r].d[j]), dot_i16(w0, w1, x[r].q + 32 * j),
+                                     acc[r]);
+            corr[r] = fmaf(off, x[r].s[j], corr[r]);
+        }
+    } else if (QT == Q4_K) {
+        const uint8_t *b = row + (j >> 3) * 144;
+        const int sub = (int)(j & 7);
+        int sc, mn;
+        q4_k_scale_min(b + 4, sub, &sc, &mn);
+        float d, dmin;
+        fp16x2_to_fp32(b, &d, &dmin);
+        d *= (float)sc;
+        const float off = -(dmin * (float)mn);
+        const __m256i nib = _mm256_and_si256(
+            _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(b + 16 + 32 * (sub >> 1))),
+                              4 * (sub & 1)),
+            _mm256_set1_epi8(0x0f));
+        const __m256i w0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(nib));
+        const __m256i w1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(nib, 1));
+        for (int r = 0; r < NR; r++) {
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[r].d[j]), dot_i16(w0, w1, x[r].q + 32 * j),
+                                     acc[r]);
+            corr[r] = fmaf(off, x[r].s[j], corr[r]);
+        }
+    } else { /* Q6_K: 32 values with two scales, one per 16 = one per widened half */
+        const uint8_t *b = row + (j >> 3) * 210;
+        const int sub = (int)(j & 7), h = sub >> 2, g = sub & 3;
+        const float d = fp16_to_fp32(b + 208);
+        const int8_t *sc = (const int8_t *)(b + 192) + h * 8 + g * 2;
+        const __m256i l = _mm256_and_si256(
+            _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(b + h * 64 + (g & 1) * 32)),
+                              (g >> 1) * 4),
+            _mm256_set1_epi8(0x0f));
+        const __m256i hi = _mm256_and_si256(
+            _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(b + 128 + h * 32)), 2 * g),
+            _mm256_set1_epi8(0x03));
+        const __m256i w = _mm256_sub_epi8(_mm256_or_si256(l, _mm256_slli_epi16(hi, 4)),
+                                          _mm256_set1_epi8(32));
+        const __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(w));
+        const __m256i w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(w, 1));
+        const float d0 = d * (float)sc[0], d1 = d * (float)sc[1];
+        for (int r = 0; r < NR; r++) {
+            const int16_t *xq = x[r].q + 32 * j;
+            const __m256 p0 = _mm256_cvtepi32_ps(
+                _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)xq)));
+            const __m256 p1 = _mm256_cvtepi32_ps(
+                _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(xq + 16))));
+            const float dx = x[r].d[j];
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d0 * dx), p0, acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d1 * dx), p1, acc[r]);
+        }
+    }
+}
+
+/* One weight row against NR quantized activation rows: even and odd blocks go to separate
+ * accumulators (vector and offset), so that consecutive blocks do not wait for each other. */
+static inline __attribute__((always_inline)) void int_rows(int64_t QT, const uint8_t *row,
+                                                           const QuantRow *x, int NR, int64_t k,
+                                                           float *out, int64_t ldo) {
+    __m256 even[INT_MAX_ROWS], odd[INT_MAX_ROWS];
+    float corr_even[INT_MAX_ROWS], corr_odd[INT_MAX_ROWS];
+    for (int r = 0; r < NR; r++) {
+        even[r] = odd[r] = _mm256_setzero_ps();
+        corr_even[r] = corr_odd[r] = 0.0f;
+    }
+    const int64_t nb = k / 32;
+    int64_t j = 0;
+    for (; j + 2 <= nb; j += 2) {
+        int_block(QT, row, j, x, NR, even, corr_even);
+        int_block(QT, row, j + 1, x, NR, odd, corr_odd);
+    }
+    if (j < nb) int_block(QT, row, j, x, NR, even, corr_even);
+    for (int r = 0; r < NR; r++)
+        out[r * ldo] = hsum(_mm256_add_ps(even[r], odd[r])) + (corr_even[r] + corr_odd[r]);
+}
+
+static void int_matmul(float *out, int64_t ldo, const float *x, int64_t ldx, int64_t rows,
+                       const uint8_t *w, int64_t qtype, int64_t n, int64_t k,
+                       int64_t num_threads) {
+    const int64_t row_bytes = gguf_row_bytes(qtype, k);
+    int16_t *qbuf = malloc(sizeof(int16_t) * (size_t)(rows * k) + 64);
+    float *fbuf = malloc(sizeof(float) * (size_t)(2 * rows * (k / 32)) + 64);
+    QuantRow xq[INT_MAX_ROWS];
+    for (int64_t r = 0; r < rows; r++) {
+        xq[r] = (QuantRow){qbuf + r * k, fbuf + 2 * r * (k / 32), fbuf + (2 * r + 1) * (k / 32)};
+        quantize_row_q16(x + r * ldx, k, xq[r]);
+    }
+    const int nr = (int)rows;
+#define INT_LOOP(QT)                                                                         \
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static) if (n * k >= 65536)") \
+    for (int64_t j = 0; j < n; j++) {                                                        \
+        const uint8_t *row = w + j * row_bytes;                                              \
+        switch (nr) {                                                                        \
+        case 1: int_rows(QT, row, xq, 1, k, out + j, ldo); break;                            \
+        case 2: int_rows(QT, row, xq, 2, k, out + j, ldo); break;                            \
+        case 3: int_rows(QT, row, xq, 3, k, out + j, ldo); break;                            \
+        default: int_rows(QT, row, xq, 4, k, out + j, ldo); break;                           \
+        }                                                                                    \
+    }
+    /* one loop per type and row count, so that int_rows's branches are resolved at compile
+     * time */
+    switch (qtype) {
+    case Q8_0: INT_LOOP(Q8_0) break;
+    case Q4_0: INT_LOOP(Q4_0) break;
+    case Q4_1: INT_LOOP(Q4_1) break;
+    case Q4_K: INT_LOOP(Q4_K) break;
+    default: INT_LOOP(Q6_K) break;
+    }
+#undef INT_LOOP
+    free(qbuf);
+    free(fbuf);
+}
+#endif
+
+/* out[r * ldo + j] = x[r] . W[j] for the activation rows x [rows, ldx] (k
+ * used) and the n packed rows of W; out may be a column slice of a wider output. */
+void gguf_matmul_f32(float *out, int64_t ldo, const float *x, int64_t ldx, int64_t rows,
+                     const uint8_t *w, int64_t qtype, int64_t n, int64_t k,
+                     int64_t num_threads) {
+#ifdef QUANT_AVX2
+    if (rows <= INT_MAX_ROWS) {
+        int_matmul(out, ldo, x, ldx, rows, w, qtype, n, k, num_threads);
+        return;
+    }
+    /* up to 64 rows at a time: their transposed activations stay in L2 */
+    for (int64_t r0 = 0; r0 < rows; r0 += 64)
+        tiled_matmul(out + r0 * ldo, ldo, x + r0 * ldx, ldx, rows - r0 < 64 ? rows - r0 : 64, w,
+                     qtype, n, k, num_threads);
+#else
+    /* scalar: dequantize a chunk of each weight row, dot it with every activation row */
+    const int64_t row_bytes = gguf_row_bytes(qtype, k), bs = block_size(qtype);
+    const int64_t bb = block_bytes(qtype);
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (n * k * rows >= 131072)
+    for (int64_t j = 0; j < n; j++) {
+        float wbuf[KC];
+        for (int64_t r = 0; r < rows; r++) out[r * ldo + j] = 0.0f;
+        for (int64_t k0 = 0; k0 < k; k0 += KC) {
+            const int64_t kl = k - k0 < KC ? k - k0 : KC;
+            dequant_row(qtype, w + j * row_bytes + k0 / bs * bb, wbuf, kl);
+            for (int64_t r = 0; r < rows; r++) {
+                const float *xr = x + r * ldx + k0;
+                float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+                for (int64_t i = 0; i < kl; i++) acc += wbuf[i] * xr[i];
+                out[r * ldo + j] += acc;
+            }
+        }
+    }
+#endif
+}

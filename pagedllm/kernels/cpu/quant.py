@@ -1,0 +1,117 @@
+"""GGUF quantized weights on the CPU (quant.c): dequantize, gather embedding rows, and the
+small-batch matmul straight from the packed blocks. fp32 activations and outputs.
+
+A packed weight is a uint8 tensor of its rows' blocks back to back, exactly as in the file
+(gguf.quants defines the layouts); `gguf.quants.dequantize` is the oracle.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import gguf
+import torch
+
+from pagedllm.kernels.cpu.build import load_library
+
+QuantType = gguf.GGMLQuantizationType
+# The block formats quant.c computes with.
+SUPPORTED_TYPES = frozenset({QuantType.Q8_0, QuantType.Q4_0, QuantType.Q4_1, QuantType.Q4_K,
+                             QuantType.Q6_K})
+
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+_SIGNATURES = {
+    "gguf_dequantize_f32": ([_ptr, _ptr] + [_i64] * 4, None),
+    "gguf_get_rows_f32": ([_ptr, _ptr, _i64, _i64, _ptr, _i64, _i64], None),
+    "gguf_matmul_f32": ([_ptr, _i64, _ptr, _i64, _i64, _ptr] + [_i64] * 4, None),
+}
+
+
+def library() -> ctypes.CDLL | None:
+    """The kernels' library (tests swap in another build of quant.c)."""
+    return load_library()
+
+
+@functools.cache
+def _bind(lib: ctypes.CDLL, name: str):
+    fn = getattr(lib, name)
+    fn.argtypes, fn.restype = _SIGNATURES[name]
+    return fn
+
+
+def _kernel(name: str):
+    lib = library()
+    if lib is None:
+        raise RuntimeError("the CPU kernels are not built (no C compiler, or "
+                           "PAGEDLLM_CPU_KERNELS=0): GGUF weights cannot stay packed")
+    return _bind(lib, name)
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def row_bytes(qtype: int, k: int) -> int:
+    """Bytes of one packed row of k values."""
+    block, size = gguf.GGML_QUANT_SIZES[QuantType(qtype)]
+    if k % block:
+        raise ValueError(f"{QuantType(qtype).name} rows hold whole blocks of {block} values, "
+                         f"got {k}")
+    return k // block * size
+
+
+def _check(packed: torch.Tensor, qtype: int, n: int, k: int) -> None:
+    if QuantType(qtype) not in SUPPORTED_TYPES:
+        raise ValueError(f"no CPU kernel for {QuantType(qtype).name} weights")
+    if packed.dtype != torch.uint8 or not packed.is_contiguous() or packed.device.type != "cpu":
+        raise ValueError("packed weights must be a contiguous uint8 CPU tensor")
+    if packed.numel() != n * row_bytes(qtype, k):
+        raise ValueError(f"{n} rows of {k} {QuantType(qtype).name} values take "
+                         f"{n * row_bytes(qtype, k)} bytes, got {packed.numel()}")
+
+
+def dequantize(packed: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
+    """[n, k] fp32 from n packed rows: what gguf.quants.dequantize gives, bit for bit."""
+    _check(packed, qtype, n, k)
+    out = torch.empty(n, k)
+    _kernel("gguf_dequantize_f32")(out.data_ptr(), packed.data_ptr(), int(qtype), n, k,
+                                   torch.get_num_threads())
+    return out
+
+
+def get_rows(packed: torch.Tensor, qtype: int, n: int, k: int, ids: torch.Tensor) -> torch.Tensor:
+    """[*ids.shape, k] fp32: the rows `ids` of a packed [n, k] table (an embedding lookup)."""
+    _check(packed, qtype, n, k)
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= n):
+        raise IndexError(f"token id out of range for an embedding of {n} rows")
+    out = torch.empty(flat.numel(), k)
+    _kernel("gguf_get_rows_f32")(out.data_ptr(), packed.data_ptr(), int(qtype), k,
+                                 flat.data_ptr(), flat.numel(), torch.get_num_threads())
+    return out.reshape(*ids.shape, k)
+
+
+def matmul_unchecked(out: torch.Tensor, x: torch.Tensor, weight_ptr: int, qtype: int, n: int,
+                     col: int = 0) -> None:
+    """The per-call path of a layer whose packed weight was checked once (see matmul):
+    out[:, col:col + n] = x . W^T for x [rows, k] fp32 with contiguous rows."""
+    _kernel("gguf_matmul_f32")(out.data_ptr() + 4 * col, out.stride(0), x.data_ptr(),
+                               x.stride(0), x.shape[0], weight_ptr, qtype, n, x.shape[1],
+                               torch.get_num_threads())
+
+
+def matmul(x: torch.Tensor, packed: torch.Tensor, qtype: int, n: int,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows, k] fp32 times the packed [n, k] weight, transposed: [rows, n]. `out` may be
+    a column slice of a wider [rows, *] tensor."""
+    rows, k = x.shape
+    _check(packed, qtype, n, k)
+    if x.dtype != torch.float32 or x.stride(-1) != 1:
+        raise ValueError("the packed matmul takes fp32 activations with contiguous rows")
+    if out is None:
+        out = torch.empty(rows, n)
+    elif out.shape != (rows, n) or out.dtype != torch.float32 or out.stride(-1) != 1:
+        raise ValueError(f"out must be fp32 [{rows}, {n}] with contiguous rows")
+    _kernel("gguf_matmul_f32")(out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), rows,
+                               packed.data_ptr(), int(qtype), n, k, torch.get_num_threads())
+    return out

@@ -1,0 +1,97 @@
+"""FP8 weights on CUDA (`--quantization fp8`): half the bytes of bf16 for every decode step.
+
+Each decoder linear's weight is stored in FP8 E4M3 with one fp32 scale per output channel
+(w ~= q * scale[n], scale = max|w[n]| / 448). Two kernels, by batch size:
+  up to 16 rows (decode): kernels/triton_fp8.w8a16_matmul reads the FP8 weight and the bf16
+      activations as they are (weight-only quantization: the bytes are what decode pays for);
+  more rows: the activations are quantized per row on the fly (dynamic scales, the same rule)
+      and torch._scaled_mm multiplies FP8 x FP8 on the tensor cores, both scales applied to
+      its fp32 accumulators, output bf16: vLLM's dynamic FP8 scheme.
+The LM head stays bf16. On the CPU (tests) the second form runs with torch ops.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+# Batches of up to this many rows (at most 16, the kernel's block) take the weight-only
+# kernel; PAGEDLLM_FP8_SMALL_BATCH=0 sends every batch to torch._scaled_mm (to compare the
+# two on a GPU).
+SMALL_BATCH_ROWS = min(int(os.environ.get("PAGEDLLM_FP8_SMALL_BATCH", "16")), 16)
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+_MIN_SCALE = 1e-12  # an all-zero row gets a tiny scale instead of dividing by zero
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] -> (FP8 [M, K], fp32 scales [M, 1]) with x ~= q * scale, per row."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_(min=_MIN_SCALE)
+    return (xf / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def fp8_matmul_reference(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor
+                         ) -> torch.Tensor:
+    """What FP8Linear computes, in plain fp32 ops: quantized activations times the
+    dequantized weight. The oracle of the tests."""
+    xq, xs = quantize_rows(x.reshape(-1, x.shape[-1]))
+    out = (xq.float() * xs) @ (qweight.float() * scale.view(-1, 1)).T
+    return out.to(x.dtype).reshape(*x.shape[:-1], qweight.shape[0])
+
+
+class FP8Linear(nn.Module):
+    """y = x . W^T (+ bias) with W in FP8 E4M3 and per-output-channel scales."""
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = qweight.shape
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("weight_scale", scale.float().reshape(1, -1).contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "FP8Linear":
+        qweight, scale = quantize_rows(linear.weight.detach())
+        bias = None if linear.bias is None else linear.bias.detach()
+        return cls(qweight, scale.view(-1), bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if not x.is_cuda:
+            out = self._scaled_mm(*quantize_rows(rows), x.dtype)
+        else:
+            from pagedllm.kernels import triton_fp8  # Triton only where it runs
+
+            if rows.shape[0] <= SMALL_BATCH_ROWS:
+                out = triton_fp8.w8a16_matmul(rows, self.qweight, self.weight_scale)
+            else:
+                out = self._scaled_mm(*triton_fp8.quantize_rows(rows), x.dtype)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _scaled_mm(self, xq: torch.Tensor, xs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return torch._scaled_mm(xq, self.qweight.t(), scale_a=xs, scale_b=self.weight_scale,
+                                out_dtype=dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8_e4m3"
+
+
+def supports(linear: nn.Linear) -> bool:
+    """_scaled_mm takes K and N in multiples of 16, and bf16 output with per-row scales."""
+    return (linear.in_features % 16 == 0 and linear.out_features % 16 == 0
+            and linear.weight.dtype == torch.bfloat16)
+
+
+def quantize_linears(model: nn.Module, skip: tuple[str, ...] = ()) -> int:
+    """Replace every supported nn.Linear not named in skip by its FP8Linear; the count."""
+    swaps = [(name, m) for name, m in model.named_modules()
+             if isinstance(m, nn.Linear) and name.rpartition(".")[2] not in skip and supports(m)]
+    for name, m in swaps:
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, FP8Linear.from_linear(m))
+    return len(swaps)

@@ -1,0 +1,190 @@
+"""GGUF weights kept in their quantized blocks on the CPU (`--quantization gguf`).
+
+A 135M-parameter model reads 538 MB of fp32 weights per decoded token; its Q4_1/Q8_0 GGUF
+holds them in 94 MB. GGUFLinear keeps a linear layer's rows as the file packs them and
+multiplies with them directly (kernels/cpu/quant.c): small batches (decode) run the packed
+matmul, larger ones (prompts) dequantize the weight a slice at a time and use BLAS, where
+the GEMM's cost dwarfs the dequantization. GGUFEmbedding keeps a packed embedding table,
+dequantizes only the rows it looks up, and serves as the tied LM head.
+
+A fused projection (q|k|v, gate|up) loads its parts one by one, and they may be of
+different types (Q4_K_M files mix Q4_K and Q6_K): each part is a Segment of the packed
+buffer, multiplied on its own into its columns of the output.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.kernels.cpu import quant
+
+# Above this many rows a call dequantizes and uses BLAS (measured: the packed kernel is
+# ahead up to here on the default model's shapes, 2 cores).
+MAX_PACKED_ROWS = 32
+# Dequantize at most this many fp32 bytes at once on the BLAS path (an LM head of 49k rows
+# would be 113 MB in one piece).
+DEQUANT_CHUNK_BYTES = 16 << 20
+
+
+@dataclass
+class PackedWeight:
+    """A [rows, cols] GGUF tensor in its blocks: what the loader hands over instead of a
+    dequantized tensor. data: uint8 [rows, row_bytes]."""
+
+    qtype: int
+    data: np.ndarray  # often a view of the file's read-only memory map
+    rows: int
+    cols: int
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One part of a packed weight: output rows [start, start + rows), bytes from offset."""
+
+    qtype: int
+    start: int
+    rows: int
+    offset: int
+    nbytes: int
+
+
+def make_segments(parts: Iterable[tuple[int, int]], cols: int) -> list[Segment]:
+    """(qtype, rows) of each part in order -> segments laid out back to back."""
+    segments, start, offset = [], 0, 0
+    for qtype, rows in parts:
+        nbytes = rows * quant.row_bytes(qtype, cols)
+        segments.append(Segment(int(qtype), start, rows, offset, nbytes))
+        start, offset = start + rows, offset + nbytes
+    return segments
+
+
+def merge_segments(segments: list[Segment]) -> list[Segment]:
+    """Neighbours of one type as one segment: one kernel call for q|k|v of one type."""
+    merged: list[Segment] = []
+    for s in segments:
+        last = merged[-1] if merged else None
+        if last is not None and last.qtype == s.qtype:
+            merged[-1] = Segment(s.qtype, last.start, last.rows + s.rows, last.offset,
+                                 last.nbytes + s.nbytes)
+        else:
+            merged.append(s)
+    return merged
+
+
+class PackedMatrix(nn.Module):
+    """The packed [out_features, in_features] matrix shared by GGUFLinear and GGUFEmbedding."""
+
+    def __init__(self, in_features: int, out_features: int, parts: list[Segment]) -> None:
+        super().__init__()
+        if sum(s.rows for s in parts) != out_features:
+            raise ValueError("the parts must cover every output row")
+        self.in_features, self.out_features = in_features, out_features
+        self.parts = parts  # as loaded: one per shard of a fused projection
+        self.segments = merge_segments(parts)  # as computed
+        self.register_buffer("qweight", torch.empty(sum(s.nbytes for s in parts),
+                                                    dtype=torch.uint8))
+        self.loaded = [False] * len(parts)
+
+    def load_packed(self, part: int, packed: PackedWeight) -> None:
+        """Copy part `part` (a shard of a fused projection, else 0) in from the file."""
+        seg = self.parts[part]
+        if (packed.qtype, packed.rows, packed.cols) != (seg.qtype, seg.rows, self.in_features):
+            raise ValueError(
+                f"packed part {part} is {quant.QuantType(packed.qtype).name} "
+                f"[{packed.rows}, {packed.cols}], expected "
+                f"{quant.QuantType(seg.qtype).name} [{seg.rows}, {self.in_features}]")
+        dst = self.qweight[seg.offset: seg.offset + seg.nbytes].numpy()
+        np.copyto(dst, packed.data.reshape(-1))
+        self.loaded[part] = True
+
+    def _data(self, seg: Segment) -> torch.Tensor:
+        return self.qweight[seg.offset: seg.offset + seg.nbytes]
+
+    def dequantize(self) -> torch.Tensor:
+        """The whole [out, in] matrix in fp32 (tests, and the oracle)."""
+        return torch.cat([quant.dequantize(self._data(s), s.qtype, s.rows, self.in_features)
+                          for s in self.segments])
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] fp32 -> x . W^T [..., out] fp32."""
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"expected {self.in_features} input features, got {x.shape[-1]}")
+        rows = x.reshape(-1, self.in_features)
+        if rows.dtype != torch.float32:
+            raise ValueError(f"GGUF weights compute in float32, got {rows.dtype} activations")
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        if rows.shape[0] <= MAX_PACKED_ROWS:
+            out = torch.empty(rows.shape[0], self.out_features)
+            base = self.qweight.data_ptr()
+            for s in self.segments:  # bounds checked at load; this is the per-token path
+                quant.matmul_unchecked(out, rows, base + s.offset, s.qtype, s.rows, s.start)
+        else:
+            out = self._blas_matmul(rows)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _blas_matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        pieces = []
+        k = self.in_features
+        for s in self.segments:
+            step = max(1, DEQUANT_CHUNK_BYTES // (4 * k))
+            row_bytes = quant.row_bytes(s.qtype, k)
+            data = self._data(s)
+            for first in range(0, s.rows, step):
+                n = min(step, s.rows - first)
+                w = quant.dequantize(data[first * row_bytes: (first + n) * row_bytes],
+                                     s.qtype, n, k)
+                pieces.append(F.linear(rows, w))
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
+
+    def extra_repr(self) -> str:
+        types = "+".join(quant.QuantType(s.qtype).name for s in self.parts)
+        return f"in_features={self.in_features}, out_features={self.out_features}, {types}"
+
+
+class GGUFLinear(PackedMatrix):
+    """A Linear whose weight stays in GGUF blocks; the bias (if any) is fp32."""
+
+    def __init__(self, in_features: int, out_features: int, parts: list[Segment],
+                 bias: bool = False) -> None:
+        super().__init__(in_features, out_features, parts)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=torch.float32),
+                                 requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.matmul(x)
+        return out if self.bias is None else out.add_(self.bias)
+
+
+class GGUFEmbedding(PackedMatrix):
+    """An embedding table in GGUF blocks: lookups dequantize just their rows."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, qtype: int) -> None:
+        super().__init__(embedding_dim, num_embeddings,
+                         make_segments([(qtype, num_embeddings)], embedding_dim))
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        seg = self.segments[0]
+        return quant.get_rows(self.qweight, seg.qtype, self.num_embeddings, self.embedding_dim,
+                              input_ids)
+
+    def as_lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of the tied LM head: hidden . table^T."""
+        return self.matmul(hidden)
+
+
+def is_packed(module: nn.Module | None) -> bool:
+    return isinstance(module, PackedMatrix)
+
+
+def unloaded_parts(model: nn.Module) -> list[str]:
+    """Names of packed parts no weight was loaded into (a checkpoint missing tensors)."""
+    return [f"{name}#{i}" for name, m in model.named_modules() if isinstance(m, PackedMatrix)
+            for i, done in enumerate(m.loaded) if not done]
+
