@@ -52,11 +52,11 @@ class LLM:
     max_num_batched_tokens, max_model_len, enable_chunked_prefill, preemption_mode,
     kv_cache_memory (kv_cache_memory_bytes), gpu_memory_utilization, swap_space,
     num_gpu_blocks_override, enforce_eager, num_scheduler_steps, async_scheduling,
-    disable_log_stats.
+    tensor_parallel_size (ranks the model is split over; call llm.engine.shutdown() before
+    making another such LLM in the same process), distributed_timeout, disable_log_stats.
 
-    Also accepted as vLLM code passes them: tensor_parallel_size, pipeline_parallel_size and
-    data_parallel_size of 1 (more is not supported yet: device_map splits a model's layers
-    across devices instead); trust_remote_code (pagedllm implements its architectures itself
+    Also accepted as vLLM code passes them: pipeline_parallel_size and data_parallel_size
+    of 1 (more is not supported yet); trust_remote_code (pagedllm implements its architectures itself
     and never runs a checkpoint's code); tokenizer_mode="auto". Any other argument is
     rejected by name.
     """
