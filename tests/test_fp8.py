@@ -43,15 +43,18 @@ def test_triton_quantize_rows_equals_torch_bit_for_bit():
         assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
 
 
-@pytest.mark.parametrize("m", [1, 5, 16])
-def test_w8a16_matmul_matches_the_dequantized_weight(m):
+# n not a multiple of BLOCK_N, k not a multiple of BLOCK_K; split 3: K in slices of 256,
+# 256 and 188, summed in fp32 after (what CUDA picks for a decode GEMV's few output blocks)
+@pytest.mark.parametrize("m, n, k, split", [(1, 40, 200, None), (5, 40, 200, None),
+                                            (16, 40, 200, None), (1, 130, 700, 3),
+                                            (16, 130, 700, 3)])
+def test_w8a16_matmul_matches_the_dequantized_weight(m, n, k, split):
     g = torch.Generator().manual_seed(m)
-    n, k = 40, 200  # n not a multiple of the block, k not a multiple of BLOCK_K
     q, s = quantize_rows(torch.randn(n, k, generator=g))
     # fp16 activations: the interpreter's tl.dot cannot take bf16 (CUDA runs bf16: gpu_check)
     x = torch.randn(m, k, generator=g).to(torch.float16)
     ref = x.double() @ (q.double() * s.double()).T
-    got = triton_fp8.w8a16_matmul(x, q, s.view(-1))
+    got = triton_fp8.w8a16_matmul(x, q, s.view(-1), split_k=split)
     assert got.dtype == torch.float16 and got.shape == (m, n)
     # fp32 accumulation, then one rounding to fp16 (11 significant bits)
     tol = ref.abs() * 2**-10 + 1e-5 * (x.double().abs() @ (q.double() * s.double()).abs().T)
