@@ -156,6 +156,21 @@ class GGUFLinear(PackedMatrix):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=torch.float32),
                                  requires_grad=False) if bias else None
 
+    # The bias of a fused projection (Qwen2's q|k|v) loads part by part, like a
+    # layers/parallel_linear.py module on one rank.
+    @property
+    def part_sizes(self) -> list[int]:
+        return [s.rows for s in self.parts]
+
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        return (self.out_features,)
+
+    def local_range(self, part: int) -> tuple[int, int]:
+        return self.parts[part].start, self.parts[part].rows
+
+    def shard_weight(self, name: str, tensor: torch.Tensor, part: int | None) -> torch.Tensor:
+        return tensor
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.matmul(x)
         return out if self.bias is None else out.add_(self.bias)
