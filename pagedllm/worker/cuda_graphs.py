@@ -300,6 +300,17 @@ class DecodeCUDAGraphs:
             time.perf_counter() - start, self.graph_memory / (1 << 20),
         )
 
+    def release(self) -> None:
+        """Destroy the graphs now. A graph that captured an NCCL all-reduce holds a reference
+        on the communicator until it is destroyed, and destroying the process group waits
+        for those references (pytorch/pytorch#115388): release the graphs first."""
+        for d in self.device_map.devices:
+            torch.cuda.synchronize(d)
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.outputs.clear()
+
     def can_run(self, max_query_len: int, num_tokens: int, num_seqs: int) -> bool:
         return bool(self.graphs) and fits_decode_graph(
             max_query_len, num_tokens, num_seqs, self.max_batch_size

@@ -142,6 +142,7 @@ def worker_loop(args: EngineArgs) -> int:
     """A rank other than 0: build its Worker (joining the collectives of loading and
     profiling), then apply every step rank 0 broadcasts until it says stop. The exit code:
     0 after a stop, 1 after an error (rank 0 sees the closed connection)."""
+    worker = None
     try:
         worker = Worker(args)
         while True:
@@ -156,6 +157,8 @@ def worker_loop(args: EngineArgs) -> int:
         logger.exception("tensor parallel rank %d failed", ps.tp_rank())
         return 1
     finally:
+        if worker is not None:
+            worker.shutdown()
         ps.destroy_tensor_parallel()
 
 
@@ -201,7 +204,11 @@ class DriverWorker(Worker):
                 f"{ps.state().timeout_s:g} s; the engine stops ({first})")
 
     def shutdown(self) -> None:
-        """Stop the other ranks and leave the process group (also at exit)."""
+        """Stop the other ranks and leave the process group (also at exit). Every rank
+        releases its graphs, then leaves the group at the same time: with NCCL, destroying
+        the group is collective."""
+        if hasattr(self, "runner"):
+            super().shutdown()
         if self._stopped:
             _stop_processes(self.processes)
             ps.destroy_tensor_parallel()
@@ -211,10 +218,10 @@ class DriverWorker(Worker):
             broadcast_object(STOP)
         except Exception:  # a rank already gone
             pass
+        ps.destroy_tensor_parallel()
         for p in self.processes:
             p.join(timeout=10)
         _stop_processes(self.processes)
-        ps.destroy_tensor_parallel()
 
 
 class _GuardedStep:

@@ -306,7 +306,10 @@ class Worker:
         del caches, hidden
 
     def shutdown(self) -> None:
-        """Nothing to stop on one rank (tp_worker.DriverWorker stops the others)."""
+        """Release the decode graphs (tp_worker.DriverWorker also stops the other ranks)."""
+        if self.runner.graphs is not None:
+            self.runner.graphs.release()
+            self.runner.graphs = None
 
     # ---------------------------------------------------------------- execution
     def launch(self, batch: StepBatch) -> PendingStep:
