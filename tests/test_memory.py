@@ -106,3 +106,20 @@ def test_the_bound_covers_the_measured_peak_of_the_largest_steps():
     assert all(0 < p <= measured["bound"] for p in measured["peaks"]), measured
     # Honest, not huge: within 2x of the larger measurement.
     assert measured["bound"] <= 2 * max(measured["peaks"]), measured
+
+
+@pytest.mark.parametrize("mark_resets", [True, False])
+def test_profile_sees_a_run_peak_below_the_load_peak(monkeypatch, mark_resets):
+    """The run's own peak, also where the kernel's high-water mark cannot be reset (then RSS
+    is polled): 200 MB held for a moment must show, even after a higher earlier peak."""
+    torch.ones(100_000_000).sum()  # an earlier, higher peak (400 MB), freed
+    if not mark_resets:
+        monkeypatch.setattr(memory, "_reset_max_rss", lambda: False)
+    cpu = torch.device("cpu")
+
+    def run():
+        t = torch.ones(50_000_000)
+        t.add_(1).sum()
+
+    peak = memory.profile_peak_memory(run, [cpu])[cpu]
+    assert 190e6 < peak < 260e6, peak

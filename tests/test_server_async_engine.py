@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from pagedllm.engine.llm_engine import EngineStats
 from pagedllm.entrypoints.openai.api_server import build_app
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -75,9 +76,9 @@ class ScriptedEngine:
         return outputs
 
     def get_stats(self):
-        return SimpleNamespace(num_running=len(self.requests), num_waiting=0, num_swapped=0,
-                               kv_cache_usage=0.0, prefix_cache_hit_rate=0.0,
-                               num_preemptions=0)
+        return EngineStats(num_running=len(self.requests), num_waiting=0, num_swapped=0,
+                           kv_cache_usage=0.0, prefix_cache_hit_rate=0.0, num_preemptions=0,
+                           num_gpu_blocks=64, block_size=16)
 
     def apply_chat_template(self, messages, add_generation_prompt=True):
         raise ValueError("this model has no chat template")

@@ -6,9 +6,11 @@ of (that device's KV budget / bytes per block of the layers it holds).
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import resource
+import threading
 from collections.abc import Callable, Sequence
 
 import torch
@@ -84,18 +86,60 @@ def estimate_activation_peak(
     return num_tokens * per_token * size + attention + logits
 
 
+def _status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _rss() -> int:
+    kib = _status_kib("VmRSS")
+    return 0 if kib is None else kib * 1024
+
+
 def _max_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """The RSS high-water mark (Linux's VmHWM, which clear_refs resets)."""
+    kib = _status_kib("VmHWM")
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 if kib is None else kib * 1024
 
 
-def _reset_max_rss() -> None:
+def _reset_max_rss() -> bool:
     """Bring the RSS high-water mark down to the current RSS (Linux: /proc/self/clear_refs),
-    so a peak measured next is that run's, not the load's (which can be higher)."""
+    so a peak measured next is that run's, not the load's (which can be higher). False where
+    the mark did not come down (some kernels and sandboxes refuse or ignore the write)."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
     except OSError:
-        pass  # elsewhere the mark keeps any earlier peak: the rise then underestimates
+        return False
+    return _max_rss() - _rss() < (4 << 20)
+
+
+class _RssSampler:
+    """The highest RSS seen by polling, where the kernel's mark cannot be reset."""
+
+    def __init__(self, interval_s: float = 0.0005) -> None:
+        self.interval_s, self.peak = interval_s, _rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.peak = max(self.peak, _rss())
+
+    def __enter__(self) -> "_RssSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss())
 
 
 def profile_peak_memory(run: Callable[[], None], devices: list[torch.device]) -> dict[torch.device, int]:
@@ -104,18 +148,20 @@ def profile_peak_memory(run: Callable[[], None], devices: list[torch.device]) ->
     before = {d: torch.cuda.memory_allocated(d) for d in cuda}
     for d in cuda:
         torch.cuda.reset_peak_memory_stats(d)
-    if any(d.type == "cpu" for d in devices):
-        _reset_max_rss()
-    rss_before = _max_rss()
-    run()
+    sampler = None
+    if any(d.type == "cpu" for d in devices) and not _reset_max_rss():
+        sampler = _RssSampler()
+    rss_before = _rss() if sampler else _max_rss()
+    with sampler or contextlib.nullcontext():
+        run()
     peaks: dict[torch.device, int] = {}
     for d in cuda:
         torch.cuda.synchronize(d)
         peaks[d] = torch.cuda.max_memory_allocated(d) - before[d]
     for d in devices:
         if d.type == "cpu":
-            # The rise of the process' high-water mark (reset above where Linux allows).
-            peaks[d] = max(_max_rss() - rss_before, 0)
+            # The rise of the process' high-water mark (or of the polled RSS).
+            peaks[d] = max((sampler.peak if sampler else _max_rss()) - rss_before, 0)
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
