@@ -1,0 +1,238 @@
+"""Speculative decoding (n-gram and draft-model proposers) on tiny random models: greedy
+output token-identical to plain decoding under preemption (recompute and swap) with the
+block manager's invariants after every step, stops and max_tokens landing mid-window, n>1
+forks, logprobs of accepted tokens, streaming; the configuration's errors."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.config import SpeculativeConfig
+from pagedllm.engine.ngram_proposer import propose_ngram
+from pagedllm.engine_args import EngineArgs
+
+NUM_PROMPTS, MAX_TOKENS = 32, 64
+TINY = {"architectures": ["LlamaForCausalLM"], "vocab_size": 97, "hidden_size": 32,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "intermediate_size": 64, "max_position_embeddings": 256}
+# A draft of another size: its proposals are mostly rejected.
+SMALL = {**TINY, "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+         "num_key_value_heads": 1, "intermediate_size": 32}
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("spec")
+    paths = {}
+    for name, config in (("target", TINY), ("small", SMALL)):
+        paths[name] = str(root / f"{name}.json")
+        with open(paths[name], "w") as f:
+            json.dump(config, f)
+    return paths
+
+@pytest.fixture(scope="module")
+def prompts():
+    """Prompts that repeat a random phrase, so n-gram lookup finds matches (random models
+    drift into loops of their own too)."""
+    rng = random.Random(0)
+    out = []
+    for _ in range(NUM_PROMPTS):
+        phrase = [rng.randrange(97) for _ in range(rng.randrange(3, 12))]
+        out.append((phrase * 8)[: rng.randrange(6, 40)])
+    return out
+
+def make_llm(path, **kwargs) -> LLM:
+    kwargs.setdefault("num_gpu_blocks_override", 400)
+    return LLM(path, load_format="dummy", swap_space=0.01, block_size=4, **kwargs)
+
+def generate(llm: LLM, prompts, params, check_every_step=True):
+    """Run through the engine step by step, checking the block manager after each step;
+    returns the finished outputs in prompt order and every streamed output."""
+    engine = llm.engine
+    if isinstance(params, SamplingParams):
+        params = [params] * len(prompts)
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), p, sp)
+    done, streamed = {}, []
+    bm = engine.scheduler.block_manager
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            streamed.append(out)
+            if out.finished:
+                done[out.request_id] = out
+        if check_every_step:
+            bm.check_invariants()
+    assert bm.get_num_free_gpu_blocks() == bm.num_total_gpu_blocks, "blocks leaked"
+    return [done[str(i)] for i in range(len(prompts))], streamed
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+@pytest.fixture(scope="module")
+def reference(models, prompts):
+    outs, _ = generate(make_llm(models["target"]), prompts, GREEDY, check_every_step=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+def ngram(k=4, **extra):
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3, **extra}
+
+def draft(path, k=3):
+    return {"method": "draft_model", "model": path, "load_format": "dummy",
+            "num_speculative_tokens": k}
+
+# 60 blocks x 4 tokens: far less than 32 requests of up to 104 tokens need at once.
+CASES = {
+    "ngram-recompute": (lambda m: ngram(), dict(num_gpu_blocks_override=60)),
+    "ngram-swap": (lambda m: ngram(), dict(num_gpu_blocks_override=60, preemption_mode="swap")),
+    "ngram-chunked-prefill": (lambda m: ngram(k=5), dict(max_num_batched_tokens=24)),
+    "draft-small-swap": (lambda m: draft(m["small"]),
+                         dict(num_gpu_blocks_override=60, preemption_mode="swap")),
+    "draft-small-recompute": (lambda m: draft(m["small"]), dict(num_gpu_blocks_override=60)),
+    "draft-is-target": (lambda m: draft(m["target"], k=4), dict(num_gpu_blocks_override=60)),
+}
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_greedy_is_token_identical_to_plain_decoding(name, models, prompts, reference):
+    spec, kwargs = CASES[name]
+    llm = make_llm(models["target"], speculative_config=spec(models), **kwargs)
+    outs, _ = generate(llm, prompts, GREEDY)
+    for i, (out, ref) in enumerate(zip(outs, reference)):
+        assert out.outputs[0].token_ids == ref, f"prompt {i}"
+    stats = llm.engine.get_stats()
+    assert stats.spec_num_verified_rows > 0
+    if "num_gpu_blocks_override" in kwargs:
+        assert llm.engine.scheduler.num_preemptions > 0, "the small cache should preempt"
+    if name == "draft-is-target":
+        assert stats.spec_acceptance_rate == 1.0
+        assert stats.spec_mean_accepted_length > 3.5  # k + 1 but at max_tokens
+    elif name.startswith("draft-small"):
+        assert stats.spec_acceptance_rate < 0.5  # rejections happened
+    else:
+        assert 0.2 < stats.spec_acceptance_rate < 1.0
+        assert stats.spec_mean_accepted_length > 1.5
+
+def test_max_tokens_and_stop_tokens_mid_window(models, prompts, reference):
+    """A window whose accepted tokens run past max_tokens or a stop token is cut there."""
+    llm = make_llm(models["target"], speculative_config=ngram(k=6))
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+              for n in (5, 7, 11, 13)]
+    stops = []
+    for ref in reference[:4]:
+        stop = ref[9]  # stop at the first occurrence of the 10th token
+        stops.append(ref[: ref.index(stop) + 1])
+        params.append(SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                     stop_token_ids=[stop]))
+    outs, _ = generate(llm, prompts[:4] * 2, params)
+    for i in range(4):
+        assert outs[i].outputs[0].token_ids == reference[i][: params[i].max_tokens]
+        assert outs[i].outputs[0].finish_reason == "length"
+        assert outs[4 + i].outputs[0].token_ids == stops[i]
+        assert outs[4 + i].outputs[0].finish_reason == "stop"
+    assert llm.engine.get_stats().spec_mean_accepted_length > 1.5
+
+def test_logprobs_are_the_targets_and_streaming_adds_up(models, prompts):
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+    plain, _ = generate(make_llm(models["target"]), prompts[:6], params)
+    llm = make_llm(models["target"], speculative_config=ngram())
+    outs, streamed = generate(llm, prompts[:6], params)
+    for a, b in zip(plain, outs):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert x.keys() == y.keys()
+            for t in x:
+                assert abs(x[t].logprob - y[t].logprob) < 1e-4 and x[t].rank == y[t].rank
+    # Streaming: each output carries the window's new tokens as one delta; together they
+    # are the whole output, and some windows carried several tokens.
+    tokens: dict[str, list[int]] = {}
+    widths = []
+    for out in streamed:
+        (_, ids), = out.deltas
+        tokens.setdefault(out.request_id, []).extend(ids)
+        widths.append(len(ids))
+    assert [tokens[str(i)] for i in range(6)] == [o.outputs[0].token_ids for o in outs]
+    assert max(widths) > 1
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_forks_n_and_best_of(models, prompts, reference, method):
+    spec = ngram() if method == "ngram" else draft(models["small"])
+    llm = make_llm(models["target"], speculative_config=spec, num_gpu_blocks_override=80)
+    greedy_n = SamplingParams(temperature=0.0, n=2, max_tokens=32, ignore_eos=True)
+    outs, _ = generate(llm, prompts[:4], greedy_n)
+    for out, ref in zip(outs, reference):
+        assert [o.token_ids for o in out.outputs] == [ref[:32]] * 2
+    sampled = SamplingParams(temperature=0.8, n=2, best_of=3, max_tokens=20, seed=1,
+                             ignore_eos=True)
+    outs, _ = generate(llm, prompts[:4], sampled)
+    assert all(len(out.outputs) == 2 and all(len(o.token_ids) == 20 for o in out.outputs)
+               for out in outs)
+    assert llm.engine.get_stats().spec_num_verified_rows > 0
+
+def test_disable_by_batch_size(models, prompts, reference):
+    llm = make_llm(models["target"], speculative_config=ngram(disable_by_batch_size=4))
+    lengths = [8 * (i + 1) for i in range(8)]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    outs, _ = generate(llm, prompts[:8], params)
+    assert [o.outputs[0].token_ids for o in outs] == [r[:n] for r, n in zip(reference, lengths)]
+    # Speculation started only once at most 4 sequences were left running (after token 32).
+    verified = llm.engine.get_stats().spec_num_verified_rows
+    assert 0 < verified <= 4 * 32
+
+
+def test_ngram_proposer():
+    assert propose_ngram([1, 2, 3, 4, 1, 2], 3, 1, 3) == [3, 4, 1]
+    # The longest suffix that matches wins; then the latest match of it.
+    assert propose_ngram([7, 1, 2, 9, 5, 2, 8, 1, 2], 2, 1, 3) == [9, 5]
+    assert propose_ngram([5, 2, 8, 6, 2], 2, 1, 3) == [8, 6]
+    assert propose_ngram([1, 2, 3], 2, 1, 3) == []  # no earlier occurrence
+    assert propose_ngram([1, 2, 3, 1], 5, 2, 3) == []  # suffixes shorter than min do not count
+    assert propose_ngram([4, 4, 4], 3, 1, 2) == [4]  # only what follows the match
+
+@pytest.mark.parametrize("config, message", [
+    ({"method": "medusa", "num_speculative_tokens": 2},
+     "speculative_config: method must be one of 'ngram', 'draft_model', got 'medusa'"),
+    ({"method": "ngram"}, "speculative_config: num_speculative_tokens is required"),
+    ({"method": "ngram", "num_speculative_tokens": 0},
+     "speculative_config: num_speculative_tokens must be an integer >= 1, got 0"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
+      "prompt_lookup_max": 2},
+     "speculative_config: prompt_lookup_min (4) is more than prompt_lookup_max (2)"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"},
+     "speculative_config: unknown key 'model' for method 'ngram'; known: "
+     "disable_by_batch_size, method, num_speculative_tokens, prompt_lookup_max, "
+     "prompt_lookup_min"),
+    ({"method": "draft_model", "num_speculative_tokens": 2},
+     "speculative_config: method 'draft_model' needs 'model' (a path, hub id or preset of "
+     "the draft model)"),
+    ('{"method": "ngram", ', "speculative_config is not valid JSON: Expecting property name "
+     "enclosed in double quotes: line 1 column 21 (char 20)"),
+])
+def test_config_errors(config, message):
+    with pytest.raises(ValueError) as e:
+        SpeculativeConfig.from_dict(config)
+    assert str(e.value) == message
+
+def test_engine_args_combinations():
+    args = EngineArgs(speculative_config='{"method": "ngram", "num_speculative_tokens": 3}')
+    assert args.speculative_config == SpeculativeConfig("ngram", 3)
+    with pytest.raises(ValueError) as e:
+        EngineArgs(speculative_config=ngram(), tensor_parallel_size=2)
+    assert str(e.value) == ("speculative_config and tensor_parallel_size > 1 cannot be "
+                            "combined (yet)")
+    with pytest.raises(ValueError) as e:
+        EngineArgs(speculative_config=ngram(), num_scheduler_steps=4)
+    assert str(e.value) == ("speculative_config and num_scheduler_steps > 1 cannot be "
+                            "combined: a speculative step scores ngram proposals once per "
+                            "schedule")
+
+def test_draft_model_must_share_the_vocabulary(models, tmp_path):
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**SMALL, "vocab_size": 50}))
+    with pytest.raises(ValueError) as e:
+        make_llm(models["target"], speculative_config=draft(str(other)))
+    assert str(e.value) == (f"speculative_config: the draft model {str(other)!r} has a "
+                            f"vocabulary of 50 tokens, the target model 97: they must share "
+                            f"the tokenizer")
+
