@@ -236,3 +236,41 @@ def test_draft_model_must_share_the_vocabulary(models, tmp_path):
                             f"vocabulary of 50 tokens, the target model 97: they must share "
                             f"the tokenizer")
 
+
+
+def test_server_streams_windows_and_reports_acceptance(models, prompts, reference):
+    import asyncio
+
+    import httpx
+
+    from pagedllm.engine.async_engine import AsyncLLMEngine
+    from pagedllm.entrypoints.openai.api_server import build_app
+
+    llm = make_llm(models["target"], speculative_config=ngram())
+
+    async def main():
+        aengine = AsyncLLMEngine(llm.engine)
+        transport = httpx.ASGITransport(app=build_app(aengine))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            body = {"prompt": prompts[0], "max_tokens": 32, "temperature": 0,
+                    "ignore_eos": True, "stream": True, "logprobs": 1}
+            events = []
+            async with client.stream("POST", "/v1/completions", json=body) as resp:
+                assert resp.status_code == 200
+                async for line in resp.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        events.append(json.loads(line[6:]))
+            metrics = (await client.get("/metrics")).text
+        await aengine.shutdown()
+        return events, metrics
+
+    events, metrics = asyncio.run(main())
+    tokens = [t for e in events for c in e["choices"] for t in (c.get("logprobs") or {})
+              .get("tokens", [])]
+    assert len(tokens) == 32
+    values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+              if line.startswith("pagedllm:spec_decode")}
+    assert 0 < values["pagedllm:spec_decode_acceptance_rate"] <= 1
+    assert values["pagedllm:spec_decode_mean_accepted_length"] > 1
+    assert values["pagedllm:spec_decode_num_draft_tokens"] >= \
+        values["pagedllm:spec_decode_num_accepted_tokens"] > 0
