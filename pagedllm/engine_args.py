@@ -112,17 +112,10 @@ class EngineArgs:
             raise ValueError("device_map and tensor_parallel_size > 1 cannot be combined (yet): "
                              "give one or the other")
         if self.speculative_config is not None:
-            self.speculative_config = spec = SpeculativeConfig.from_dict(self.speculative_config)
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
             if tp > 1:
                 raise ValueError("speculative_config and tensor_parallel_size > 1 cannot be "
                                  "combined (yet)")
-            if self.num_scheduler_steps not in (None, 1):
-                raise ValueError(f"speculative_config and num_scheduler_steps > 1 cannot be "
-                                 f"combined: a speculative step scores {spec.method} proposals "
-                                 f"once per schedule")
-            if self.async_scheduling:
-                raise ValueError("speculative_config and async_scheduling cannot be combined: "
-                                 "the next step's proposals need this step's tokens")
         if not self.distributed_timeout > 0:
             raise ValueError(
                 f"distributed_timeout must be a positive number of seconds, got "

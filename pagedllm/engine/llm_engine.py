@@ -111,11 +111,10 @@ class LLMEngine:
         self.async_scheduling = on_cuda if args.async_scheduling is None else args.async_scheduling
         self.batch_builder = StepBatchBuilder()
         self._in_flight: _InFlight | None = None
-        self.speculative_config = spec = args.speculative_config
-        if spec is not None:
-            # A speculative step needs the last step's tokens: one step per schedule.
-            self.num_scheduler_steps = 1
-            self.async_scheduling = False
+        # A speculative step needs the last step's tokens: it runs alone (one step per
+        # schedule, nothing launched ahead). Multi-step and async scheduling stay for the
+        # steps where speculation is off (above disable_by_batch_size running sequences).
+        self.speculative_config = args.speculative_config
         self.spec_counts = [0, 0, 0]  # draft tokens, accepted tokens, verified rows
 
     @classmethod
@@ -215,16 +214,19 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         running, self._in_flight = self._in_flight, None
         if running is None:
-            out = self.scheduler.schedule(self.num_scheduler_steps)
+            speculate = self._speculation_on()
+            out = self.scheduler.schedule(1 if speculate else self.num_scheduler_steps)
             for group in out.ignored_seq_groups:
                 outputs.append(self._ignored_output(group))
                 self._forget(group)
             if out.is_empty():
                 return outputs
-            if self.speculative_config is not None:
+            if speculate:
                 self._speculate(out)
             running = self._launch(out)
-        if self.async_scheduling:
+        if self.async_scheduling and not (running.out.spec_token_ids or
+                                          running.out.num_draft_tokens or
+                                          self._speculation_on()):
             after = self.scheduler.schedule_continuation(running.out, self.num_scheduler_steps)
             if after is not None:
                 self._in_flight = self._launch(after)
@@ -233,20 +235,25 @@ class LLMEngine:
             self._forget(group)
         return outputs
 
+    def _speculation_on(self) -> bool:
+        spec = self.speculative_config
+        if spec is None:
+            return False
+        limit = spec.disable_by_batch_size
+        return limit is None or sum(len(g.seqs_dict) for g in self.scheduler.running) <= limit
+
     def _speculate(self, out: SchedulerOutput) -> None:
         """Proposals for the step's decode rows (n-gram: the tokens themselves; draft
         model: how many the worker's draft proposes), each with its slots reserved. None
         past `disable_by_batch_size` running sequences, none past max_tokens (the target's
         own token covers the last) or the context, none where the slots do not fit."""
         spec = self.speculative_config
+        if out.num_steps != 1:
+            return
         seqs = [(scheduled.seq_group, seq) for scheduled in out.scheduled_seq_groups
                 if scheduled.token_chunk_size == 1 and scheduled.do_sample
                 for seq in scheduled.seq_group.seqs_dict.values()
                 if seq.status is RUNNING and seq.output_token_ids]
-        limit = spec.disable_by_batch_size
-        if limit is not None and sum(
-                len(g.seqs_dict) for g in self.scheduler.running) > limit:
-            return
         for group, seq in seqs:
             length = seq.get_len()
             k = min(spec.num_speculative_tokens,
