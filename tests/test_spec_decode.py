@@ -311,3 +311,22 @@ def test_sampled_tokens_keep_the_targets_distribution(tmp_path):
     stats = llm.engine.get_stats()
     # Most second tokens came from a verified window (a few rows found no free slots).
     assert stats.spec_num_verified_rows > n * 3 // 4 and 0 < stats.spec_acceptance_rate < 1
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_penalties_and_min_tokens_apply_per_position(models, prompts, reference, method):
+    """Each scored position sees the proposals before it as output: penalties and a
+    pending min_tokens give the tokens plain decoding gives."""
+    stop = reference[0][3]
+    params = [SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True,
+                             repetition_penalty=1.3, frequency_penalty=0.4,
+                             presence_penalty=0.2),
+              SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, min_tokens=12,
+                             stop_token_ids=[stop])]
+    plain, _ = generate(make_llm(models["target"]), [prompts[0]] * 2, params)
+    spec = ngram() if method == "ngram" else draft(models["target"])
+    llm = make_llm(models["target"], speculative_config=spec)
+    outs, _ = generate(llm, [prompts[0]] * 2, params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert len(outs[1].outputs[0].token_ids) >= 12
+    assert llm.engine.get_stats().spec_num_accepted_tokens > 0

@@ -87,6 +87,13 @@ def rejection_sample(
     return tokens, (accepted + 1).tolist()
 
 
+def _reads_output(row: SamplingRow) -> bool:
+    """Penalties and a pending min_tokens read the output: each position then needs its own
+    (the proposals before it appended); other rows share one list."""
+    p = row.params
+    return p.has_penalties or len(row.output_token_ids) < p.min_tokens
+
+
 class SpecVerifier:
     """Scores speculative rows: the target's logits at each row's k+1 positions -> the
     tokens each row keeps, packed as the Sampler packs samples (the target's logprobs)."""
@@ -110,8 +117,9 @@ class SpecVerifier:
         # One SamplingRow per position: position i has seen proposals [:i] as output, so
         # penalties and min_tokens apply as they would have one token at a time.
         flat_rows = [
-            SamplingRow(row.params, row.prompt_token_ids, row.output_token_ids + d[:i],
-                        generator=row.generator)
+            SamplingRow(row.params, row.prompt_token_ids,
+                        row.output_token_ids + d[:i] if i and _reads_output(row)
+                        else row.output_token_ids, generator=row.generator)
             for row, d in zip(rows, proposals) for i in range(len(d) + 1)
         ]
         x = self.sampler.process_logits(logits, flat_rows)

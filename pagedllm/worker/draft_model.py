@@ -74,6 +74,11 @@ def _no_init():
             setattr(nn.init, n, fn)
 
 
+def _reads_output(params, output: list[int]) -> bool:
+    """Penalties or a pending min_tokens: the draft's rows need their proposals appended."""
+    return params.has_penalties or len(output) < params.min_tokens
+
+
 class DraftProposer:
     def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], block_size: int,
                  device: torch.device, sampler: Sampler) -> None:
@@ -161,7 +166,10 @@ class DraftProposer:
         active = spec
         for step in range(max(k for _, _, k, _, _ in spec)):
             rows = [SamplingRow(st.params, st.prompt_token_ids,
-                                st.output_token_ids + proposals[seq_id], generator=st.generator)
+                                st.output_token_ids + proposals[seq_id]
+                                if proposals[seq_id] and _reads_output(st.params,
+                                                                       st.output_token_ids)
+                                else st.output_token_ids, generator=st.generator)
                     for seq_id, _, _, _, st in active]
             tokens, qs = self._choose(logits, rows)
             for (seq_id, *_), t, q in zip(active, tokens, qs):
