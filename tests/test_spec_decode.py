@@ -330,3 +330,13 @@ def test_penalties_and_min_tokens_apply_per_position(models, prompts, reference,
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
     assert len(outs[1].outputs[0].token_ids) >= 12
     assert llm.engine.get_stats().spec_num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("command", [["serve"], ["generate", "hi"], ["chat"]])
+def test_cli_flag(command):
+    from pagedllm.entrypoints.cli import build_parser
+
+    flag = '{"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 8}'
+    args = build_parser().parse_args([*command, "--speculative-config", flag])
+    assert EngineArgs.from_cli_args(args).speculative_config == SpeculativeConfig(
+        "ngram", 3, disable_by_batch_size=8)
