@@ -65,8 +65,23 @@ def generate(llm: LLM, prompts, params, check_every_step=True):
                 done[out.request_id] = out
         if check_every_step:
             bm.check_invariants()
+            check_hashes_cover_kept_tokens(engine)
     assert bm.get_num_free_gpu_blocks() == bm.num_total_gpu_blocks, "blocks leaked"
     return [done[str(i)] for i in range(len(prompts))], streamed
+
+def check_hashes_cover_kept_tokens(engine):
+    """Every prefix-cache entry of a running sequence holds its own tokens: never a
+    rejected proposal's."""
+    bm = engine.scheduler.block_manager
+    bs = bm.block_size
+    for group in engine.scheduler.running:
+        for seq in group.get_unfinished_seqs():
+            tokens = seq.get_token_ids()
+            hashes = bm.computed_hashes.get(seq.seq_id, [])
+            assert len(hashes) * bs <= seq.num_computed_tokens
+            for i, content in enumerate(hashes):
+                assert list(content.token_ids) == tokens[i * bs: (i + 1) * bs]
+
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
