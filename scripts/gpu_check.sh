@@ -122,7 +122,7 @@ done
 run_step fp8-accept 60 "$LOGS/fp8.log" $PY scripts/gpu_fp8_accept.py "$WORK"
 
 # Speculative decoding: each run also times plain decoding on the same prompts.
-SPEC="spec --model llama-3-8b --load-format dummy --dtype bfloat16 --max-input-len 256"
+SPEC="spec --device cuda --model llama-3-8b --load-format dummy --dtype bfloat16 --max-input-len 256"
 SPEC_STEPS="spec-ngram spec-draft spec-batch64 spec-batch64-off"
 for w in $SPEC_STEPS; do
     case $w in
