@@ -121,7 +121,7 @@ def test_greedy_is_token_identical_to_plain_decoding(name, models, prompts, refe
     if "num_gpu_blocks_override" in kwargs:
         assert llm.engine.scheduler.num_preemptions > 0, "the small cache should preempt"
     if name == "draft-is-target":
-        assert stats.spec_acceptance_rate == 1.0
+        assert stats.spec_acceptance_rate > 0.95  # 1.0 but for float near-ties
         assert stats.spec_mean_accepted_length > 3.5  # k + 1 but at max_tokens
     elif name.startswith("draft-small"):
         assert stats.spec_acceptance_rate < 0.5  # rejections happened
@@ -185,18 +185,24 @@ def test_forks_n_and_best_of(models, prompts, reference, method):
                for out in outs)
     assert llm.engine.get_stats().spec_num_verified_rows > 0
 
-def test_disable_by_batch_size(models, prompts, reference):
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_disable_by_batch_size(models, prompts, reference, method):
     """Above 4 running sequences the steps are plain, here multi-step decode windows with
-    async scheduling (as on CUDA); speculation resumes once few enough are left."""
-    llm = make_llm(models["target"], speculative_config=ngram(disable_by_batch_size=4),
+    async scheduling (as on CUDA); speculation resumes once few enough are left. The draft
+    model (= the target) skips the plain steps and catches up in one chunk: still every
+    proposal is accepted."""
+    spec = ngram() if method == "ngram" else draft(models["target"])
+    llm = make_llm(models["target"], speculative_config={**spec, "disable_by_batch_size": 4},
                    num_scheduler_steps=4, async_scheduling=True)
     lengths = [8 * (i + 1) for i in range(8)]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
     outs, _ = generate(llm, prompts[:8], params)
     assert [o.outputs[0].token_ids for o in outs] == [r[:n] for r, n in zip(reference, lengths)]
     # Speculation started only once at most 4 sequences were left running (after token 32).
-    verified = llm.engine.get_stats().spec_num_verified_rows
-    assert 0 < verified <= 4 * 32
+    stats = llm.engine.get_stats()
+    assert 0 < stats.spec_num_verified_rows <= 4 * 32
+    if method == "draft":
+        assert stats.spec_acceptance_rate > 0.95  # 1.0 but for float near-ties
 
 
 def test_ngram_proposer():

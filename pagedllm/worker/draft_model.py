@@ -6,9 +6,9 @@ both, so the scheduler's allocation, copy-on-write copies and swaps (applied to 
 and the rollback of rejected slots serve the draft as they serve the target. The draft keeps,
 per sequence, how many leading tokens have K/V in its cache (`computed`). Every step it first
 catches up on each row's known tokens [computed, last token] (a prefill chunk, a one-token
-decode, or two tokens after a window whose proposals were all accepted: the last proposal
-was never fed to it), which also gives the first proposal's logits; then k - 1 one-token
-steps. After verification the count drops to the accepted prefix: the slots of rejected
+decode, two tokens after a window whose proposals were all accepted: the last proposal was
+never fed to it, or many after steps without speculation, which it skips), which also
+gives the first proposal's logits; then k - 1 one-token steps. After verification the count drops to the accepted prefix: the slots of rejected
 proposals are overwritten later. Its K/V only ever changes what is proposed, never which
 tokens the target keeps.
 
@@ -131,6 +131,14 @@ class DraftProposer:
             computed.pop(seq_id, None)
             self._windows.pop(seq_id, None)
         want = batch.num_draft_tokens
+        if not want:
+            # No row speculates (speculation off for this batch size): the draft catches up
+            # later, in one chunk. Only what it must not miss: a recomputed sequence's
+            # cache starts again from `start`.
+            for seq_id, start in zip(batch.seq_ids, batch.num_computed_tokens):
+                if computed.get(seq_id, 0) > start:
+                    computed[seq_id] = start
+            return {}
         bs = self.block_size
         ids, positions, slots, qlens, slens, tables, last = [], [], [], [], [], [], []
         spec: list[tuple[int, int, int, list[int], object]] = []  # (seq_id, row, k, table, st)
