@@ -361,3 +361,24 @@ def test_cli_flag(command):
     args = build_parser().parse_args([*command, "--speculative-config", flag])
     assert EngineArgs.from_cli_args(args).speculative_config == SpeculativeConfig(
         "ngram", 3, disable_by_batch_size=8)
+
+
+def test_stop_string_mid_window_on_the_default_model(default_llm):
+    """Real text: a stop string that lands inside a window of accepted tokens cuts the
+    output where plain decoding stops (the reference is the shared plain engine)."""
+    prompt = [{"role": "user", "content": "Repeat exactly: one two three four five six seven "
+               "eight nine ten eleven twelve"}]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24)
+    ref = default_llm.chat(prompt, greedy, use_tqdm=False)[0].outputs[0].text
+    words = ref.split()
+    assert len(words) > 8, ref
+    stop = words[len(words) // 2]
+    llm = LLM(dtype="float32", kv_cache_memory=64 << 20, speculative_config=ngram())
+    out = llm.chat([prompt, prompt], [greedy, SamplingParams(temperature=0.0, max_tokens=24,
+                                                           stop=[stop])], use_tqdm=False)
+    assert out[0].outputs[0].text == ref
+    plain_stop = default_llm.chat(prompt, SamplingParams(temperature=0.0, max_tokens=24,
+                                                         stop=[stop]), use_tqdm=False)
+    assert out[1].outputs[0].text == plain_stop[0].outputs[0].text
+    assert out[1].outputs[0].finish_reason == "stop"
+    assert llm.engine.get_stats().spec_mean_accepted_length > 2

@@ -8,8 +8,8 @@ per sequence, how many leading tokens have K/V in its cache (`computed`). Every 
 catches up on each row's known tokens [computed, last token] (a prefill chunk, a one-token
 decode, two tokens after a window whose proposals were all accepted: the last proposal was
 never fed to it, or many after steps without speculation, which it skips), which also
-gives the first proposal's logits; then k - 1 one-token steps. After verification the count drops to the accepted prefix: the slots of rejected
-proposals are overwritten later. Its K/V only ever changes what is proposed, never which
+gives the first proposal's logits; then k - 1 one-token steps. After verification the
+count drops to the accepted prefix: the slots of rejected proposals are overwritten later. Its K/V only ever changes what is proposed, never which
 tokens the target keeps.
 
 Greedy requests get the draft's argmax; sampled requests a sample from the draft's
