@@ -7,10 +7,11 @@ and the rollback of rejected slots serve the draft as they serve the target. The
 per sequence, how many leading tokens have K/V in its cache (`computed`). Every step it first
 catches up on each row's known tokens [computed, last token] (a prefill chunk, a one-token
 decode, two tokens after a window whose proposals were all accepted: the last proposal was
-never fed to it, or many after steps without speculation, which it skips), which also
+never fed to it, or many after steps without speculation, which it skips; so is a first
+prefill, caught up at the first speculative step), which also
 gives the first proposal's logits; then k - 1 one-token steps. After verification the
-count drops to the accepted prefix: the slots of rejected proposals are overwritten later. Its K/V only ever changes what is proposed, never which
-tokens the target keeps.
+count drops to the accepted prefix: the slots of rejected proposals are overwritten later.
+Its K/V only ever changes what is proposed, never which tokens the target keeps.
 
 Greedy requests get the draft's argmax; sampled requests a sample from the draft's
 distribution under the same temperature / top-k / top-p / min-p, which is kept (q) for
