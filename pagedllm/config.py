@@ -170,3 +170,89 @@ class SchedulerConfig:
             raise ValueError(
                 "max_num_batched_tokens must be at least max_model_len without chunked prefill"
             )
+
+
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+_SPEC_KEYS = {
+    "ngram": {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+              "disable_by_batch_size"},
+    "draft_model": {"method", "model", "num_speculative_tokens", "disable_by_batch_size",
+                    "load_format", "seed"},
+}
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config` names): each decode step proposes
+    `num_speculative_tokens` tokens per sequence, the target model scores them in one
+    forward, and the standard rule keeps a prefix of them plus one token of the target's.
+
+    method "ngram": prompt lookup; the proposal is what followed the latest earlier match
+    of the sequence's last n tokens, n from prompt_lookup_max down to prompt_lookup_min.
+    method "draft_model": `model` (a path, hub id or preset; `load_format`, `seed` as for
+    the target) proposes greedily for greedy requests, by sampling otherwise.
+    disable_by_batch_size: no speculation in a step with more running sequences than this.
+    """
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    model: str | None = None
+    load_format: str = "auto"
+    seed: int = 0
+    disable_by_batch_size: int | None = None
+
+    @classmethod
+    def from_dict(cls, value: Any) -> "SpeculativeConfig":
+        """From a dict or a JSON object string (the --speculative-config flag)."""
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict (or a JSON object), got "
+                             f"{type(value).__name__}")
+        method = value.get("method")
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config: method must be one of "
+                             f"{', '.join(map(repr, SPECULATIVE_METHODS))}, got {method!r}")
+        unknown = sorted(set(value) - _SPEC_KEYS[method])
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key {unknown[0]!r} for method "
+                             f"{method!r}; known: {', '.join(sorted(_SPEC_KEYS[method]))}")
+        if "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config: num_speculative_tokens is required")
+        return cls(**value)
+
+    def __post_init__(self) -> None:
+        def positive(name: str, v: Any) -> None:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"speculative_config: {name} must be an integer >= 1, "
+                                 f"got {v!r}")
+
+        positive("num_speculative_tokens", self.num_speculative_tokens)
+        if self.method == "ngram":
+            positive("prompt_lookup_min", self.prompt_lookup_min)
+            positive("prompt_lookup_max", self.prompt_lookup_max)
+            if self.prompt_lookup_min > self.prompt_lookup_max:
+                raise ValueError(
+                    f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) is more "
+                    f"than prompt_lookup_max ({self.prompt_lookup_max})")
+        elif self.method == "draft_model":
+            if not isinstance(self.model, str) or not self.model:
+                raise ValueError("speculative_config: method 'draft_model' needs 'model' (a "
+                                 "path, hub id or preset of the draft model)")
+            if self.load_format not in LOAD_FORMATS:
+                raise ValueError(f"speculative_config: load_format must be one of "
+                                 f"{', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
+        else:
+            raise ValueError(f"speculative_config: method must be one of "
+                             f"{', '.join(map(repr, SPECULATIVE_METHODS))}, got {self.method!r}")
+        if self.disable_by_batch_size is not None:
+            positive("disable_by_batch_size", self.disable_by_batch_size)

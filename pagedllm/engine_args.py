@@ -13,7 +13,9 @@ import typing
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-from pagedllm.config import DTYPES, LOAD_FORMATS, PREEMPTION_MODES, QUANTIZATIONS
+from pagedllm.config import (
+    DTYPES, LOAD_FORMATS, PREEMPTION_MODES, QUANTIZATIONS, SpeculativeConfig,
+)
 
 
 def option(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -76,6 +78,10 @@ class EngineArgs:
     disable_log_stats: bool = option(
         True, "no periodic log line of the server's load (running and waiting requests, KV "
         "cache use); --no-disable-log-stats logs one every 10 s")
+    speculative_config: dict | str | SpeculativeConfig | None = option(
+        None, 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_min": 1, "prompt_lookup_max": 4} or {"method": "draft_model", '
+        '"model": PATH, "num_speculative_tokens": 4}; optional "disable_by_batch_size": N')
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -105,6 +111,11 @@ class EngineArgs:
         if tp > 1 and (self.device_map or "").strip():
             raise ValueError("device_map and tensor_parallel_size > 1 cannot be combined (yet): "
                              "give one or the other")
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+            if tp > 1:
+                raise ValueError("speculative_config and tensor_parallel_size > 1 cannot be "
+                                 "combined (yet)")
         if not self.distributed_timeout > 0:
             raise ValueError(
                 f"distributed_timeout must be a positive number of seconds, got "

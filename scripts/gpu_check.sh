@@ -21,6 +21,15 @@
 #                  share of a TP=2 decode step. With one GPU each runs one rank inside an
 #                  NCCL group instead (torchrun --nproc-per-node 1: the all-reduces run for
 #                  real, inside the CUDA graphs) and says TP=2 was skipped.
+#   spec-ngram spec-draft spec-batch64 spec-batch64-off
+#                  speculative decoding (issue 15; not in the default list): `pagedllm bench
+#                  spec` on the Llama-3-8B preset, greedy, each against plain decoding in the
+#                  same run: batch 1 with the n-gram proposer on prompts that repeat a random
+#                  passage; batch 1 with draft = target (same dummy weights: every proposal
+#                  accepted, the mechanism's ceiling); 64 sequences at once with n-gram, and
+#                  the same with speculation off above 16 running sequences
+#                  (--disable-by-batch-size 16). Run them with
+#                  GPU_CHECK_STEPS=decode-8b,spec-ngram,spec-draft,spec-batch64,spec-batch64-off
 #
 # Environment: OUT (log folder, default ./gpu-check-logs), PYTHON (default python3),
 # GPU_CHECK_STEPS (comma list, default all of the above), GPU_CHECK_PEERS (nano | all | 0:
@@ -112,6 +121,22 @@ for w in decode-8b throughput-8b; do
 done
 run_step fp8-accept 60 "$LOGS/fp8.log" $PY scripts/gpu_fp8_accept.py "$WORK"
 
+# Speculative decoding: each run also times plain decoding on the same prompts.
+SPEC="spec --device cuda --model llama-3-8b --load-format dummy --dtype bfloat16 --max-input-len 256"
+SPEC_STEPS="spec-ngram spec-draft spec-batch64 spec-batch64-off"
+for w in $SPEC_STEPS; do
+    case $w in
+    spec-ngram) extra=(--method ngram --num-requests 4 --max-tokens 256) ;;
+    spec-draft) extra=(--method draft_model --num-requests 4 --max-tokens 256) ;;
+    spec-batch64) extra=(--method ngram --num-requests 64 --streams 64 --max-tokens 256) ;;
+    spec-batch64-off) extra=(--method ngram --num-requests 64 --streams 64 --max-tokens 256
+                             --disable-by-batch-size 16) ;;
+    esac
+    run_step "$w" 600 "$LOGS/bench.log" $PY "$WORK/bench.py" $SPEC "${extra[@]}" \
+        --out "$WORK/$w.json"
+    [ -f "$WORK/$w.json" ] && { echo "-- $w.json"; cat "$WORK/$w.json"; } >>"$LOGS/bench.log"
+done
+
 # Tensor parallelism: TP=2 where two GPUs are visible, else one rank in an NCCL group.
 NGPU=$($PY -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 if [ "$NGPU" -ge 2 ]; then
@@ -150,7 +175,8 @@ run_step tp-allreduce 600 "$LOGS/tp.log" $TPRUN scripts/gpu_tp.py allreduce-shar
     if [ -f "$LOGS/bench.log" ]; then
         echo
         grep -E "^== |KV budget|KV cache:|CUDA graph|Traceback|Error" "$LOGS/bench.log" | cut -c1-160
-        for w in $BENCHES decode-8b-fp8 throughput-8b-fp8 tp-decode-8b tp-throughput-8b; do  # each table follows "results:"
+        for w in $BENCHES decode-8b-fp8 throughput-8b-fp8 tp-decode-8b tp-throughput-8b \
+                $SPEC_STEPS; do  # each table follows "results:"
             sed -n "/^results: .*\/$w.json/,/^== $w:/p" "$LOGS/bench.log" | sed '1s/^/\n/'
         done
     fi

@@ -16,7 +16,7 @@ GPU_WORKLOADS = ["nano", "decode-8b", "throughput-8b", "prefix-8b"]
 
 
 def test_workload_list():
-    assert list(workloads.WORKLOADS) == ["cpu", *GPU_WORKLOADS, "scheduler"]
+    assert list(workloads.WORKLOADS) == ["cpu", *GPU_WORKLOADS, "scheduler", "spec"]
     assert set(workloads.RUNNERS) == set(workloads.WORKLOADS)
     assert [w for w in workloads.WORKLOADS.values() if w.needs_cuda] == [
         workloads.WORKLOADS[n] for n in GPU_WORKLOADS
@@ -156,3 +156,24 @@ def test_cpu_workload_runs_pairs_on_their_own_prompts_and_takes_the_median_ratio
     inputs = [r["input_tokens"] for r in data["runs"]]
     assert inputs[0::2] == inputs[1::2]  # a pair shares its prompts ...
     assert len(set(inputs[0::2])) > 1  # ... and each pair has its own
+
+
+def test_spec_workload_runs_on_a_tiny_model(tmp_path, capsys):
+    """`bench spec` with both proposers on a tiny random model (draft = target): plain and
+    speculative runs give the same tokens; the table reports acceptance."""
+    model = tmp_path / "tiny.json"
+    model.write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 97, "hidden_size": 32,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "intermediate_size": 64, "max_position_embeddings": 256}))
+    out = tmp_path / "spec.json"
+    argv = ["spec", "--model", str(model), "--load-format", "dummy", "--num-requests", "2",
+            "--max-tokens", "16", "--max-input-len", "24", "--method", "both",
+            "--kv-cache-memory", str(4 << 20), "--out", str(out)]
+    assert workloads.main(argv) == 0
+    data = json.loads(out.read_text())
+    assert [r["name"] for r in data["runs"]] == ["plain", "ngram", "draft_model"]
+    summary = data["summary"]
+    assert summary["ngram_identical_outputs"] == summary["draft_model_identical_outputs"] == "2/2"
+    assert summary["draft_model_acceptance_rate"] == 1.0
+    assert "accepted" in capsys.readouterr().out

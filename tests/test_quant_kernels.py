@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(build.load_library() is None,
 
 # (rows of W, blocks per row): ragged K (odd block counts), n not a multiple of a tile
 SHAPES = [(5, 1), (67, 3), (13, 37)]
-ROWS = [1, 2, 3, 4, 5, 8, 17, 33, 100]  # 1-4: integer kernel; 100: two blocks of 64 rows
+ROWS = [1, 2, 3, 4, 5, 8, 9, 17, 33, 100]  # 1-8: integer kernel; 100: two blocks of 64 rows
 
 
 def packed_case(qtype, n, blocks, seed=0):
@@ -42,7 +42,7 @@ def check_kernels(qtype, n, blocks):
         x = torch.randn(rows, k, generator=g)
         x[0, :32] *= 50  # an outlier block: its own activation scale
         y = quant.matmul(x, packed, qtype, n)
-        assert violations(y, x, want, int16_activations=rows <= 4) == 0, f"{rows} rows"
+        assert violations(y, x, want, int16_activations=rows <= 8) == 0, f"{rows} rows"
 
 
 @pytest.mark.parametrize("n, blocks", SHAPES)
@@ -119,7 +119,7 @@ def test_linear_of_mixed_parts_with_bias(rows, monkeypatch):
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     y = layer(x.view(1, rows, k))
     assert y.shape == (1, rows, 160)
-    assert violations(y[0] - layer.bias, x, w, int16_activations=rows <= 4) == 0
+    assert violations(y[0] - layer.bias, x, w, int16_activations=rows <= 8) == 0
 
 
 def test_embedding_rows_and_tied_head():

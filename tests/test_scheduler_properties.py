@@ -1,4 +1,5 @@
-"""Property test: random requests, steps, multi-step decodes (lookahead slots), forks and
+"""Property test: random requests, steps, multi-step decodes (lookahead slots), speculative
+steps (proposal slots reserved, a random number kept, the rest rolled back), forks and
 aborts on tiny KV pools never lose a block.
 
 A hypothesis state machine plays the engine around Scheduler + BlockSpaceManager; after every
@@ -101,6 +102,45 @@ class SchedulerMachine(RuleBasedStateMachine):
                     self.scheduler.free_seq(seq)
                     break
         self.scheduler.on_step_done(out, num_steps)
+        self.scheduler.free_finished_seq_groups()
+
+    @rule(data=st.data(), k=st.integers(1, 4))
+    def speculative_step(self, data, k):
+        """The engine's speculative step: up to k proposals' slots reserved for decode rows
+        (where budget and blocks allow), then each such row keeps 1..n+1 tokens (fewer where
+        it stops) and gives the blocks past its tokens back (BlockSpaceManager.trim)."""
+        out = self.scheduler.schedule()
+        self._check_output(out)
+        spec: dict[int, int] = {}
+        for scheduled in out.scheduled_seq_groups:
+            if scheduled.token_chunk_size != 1 or not scheduled.do_sample:
+                continue
+            for seq in scheduled.seq_group.get_seqs(SequenceStatus.RUNNING):
+                n = data.draw(st.integers(0, k))
+                if seq.get_output_len() and n and self.scheduler.reserve_speculative(out, seq, n):
+                    spec[seq.seq_id] = n
+                    assert len(out.block_tables[seq.seq_id]) * self.block_size >= \
+                        seq.get_len() + n
+        assert out.num_batched_tokens <= self.budget
+        stopping = {seq_id: data.draw(st.integers(0, 4)) == 0 for seq_id in spec}
+        self._step(lambda: data.draw(tokens), lambda: False, out)
+        for group in self.groups.values():
+            for seq in group.get_seqs(SequenceStatus.RUNNING):
+                if seq.seq_id not in spec:
+                    continue
+                for _ in range(data.draw(st.integers(0, spec[seq.seq_id]))):
+                    self.scheduler.mark_computed(seq, 1)  # the accepted proposal's K/V
+                    seq.append_token(data.draw(tokens))
+                    if seq.get_output_len() >= MAX_TOKENS or stopping[seq.seq_id]:
+                        seq.status = SequenceStatus.FINISHED_STOPPED
+                        self.scheduler.free_seq(seq)
+                        break
+                if seq.status == SequenceStatus.RUNNING:
+                    self.bm.trim(seq)
+                    table = self.bm.block_tables[seq.seq_id]
+                    assert len(table) <= -(-seq.get_len() // self.block_size)
+                    assert len(table) * self.block_size >= seq.num_computed_tokens
+                    assert seq.num_computed_tokens == seq.get_len() - 1
         self.scheduler.free_finished_seq_groups()
 
     def _step(self, next_token, stop_now, out: SchedulerOutput | None = None) -> SchedulerOutput:

@@ -6,6 +6,7 @@
     throughput-8b  Llama-3-8B shape, 512 requests: output tokens/s (peer: transformers CB)
     prefix-8b      256 requests sharing a 2,000-token prefix, prefix caching on vs off
     scheduler      scheduler + block manager time per step with 256 running sequences
+    spec           speculative decoding (n-gram, draft model) vs plain decoding, same prompts
 
 Each prints a table (last) and writes JSON to --out; --plot adds a PNG when matplotlib is
 importable. Only generation is timed, never loading; every engine warms up first. The GPU
@@ -32,6 +33,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.benchmarks import WORKLOAD_HELP, cpu_targets, peers
 from pagedllm.benchmarks.scheduler_bench import run_scheduler_bench
 from pagedllm.config import DTYPES, LOAD_FORMATS, QUANTIZATIONS, resolve_dtype
+from pagedllm.entrypoints.chat_utils import apply_chat_template
 from pagedllm.entrypoints.usage import EXIT_USAGE, Parser, UsageError
 
 # Real text for the `cpu` workload: a chat model sees text, not random ids. Prompts are
@@ -91,6 +93,9 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in [
              256, (50, 50), (32, 32), "llama-3-8b", "dummy", "bfloat16"),
     Workload("scheduler", "scheduler + block manager time per decode step, no model", False,
              256, (128, 128), (1, 1)),
+    Workload("spec", "speculative decoding vs plain decoding on prompts that repeat or "
+             "lightly edit a passage: tokens/s, acceptance, identical text", False, 4,
+             (256, 256), (128, 128)),
 ]}
 
 
@@ -165,6 +170,22 @@ def build_parser(workload: Workload) -> argparse.ArgumentParser:
                        "(default: the middle of the output range)")
     if w.name == "prefix-8b":
         p.add_argument("--prefix-len", type=int, default=2000)
+    if w.name == "spec":
+        p.add_argument("--method", default="ngram", choices=["ngram", "draft_model", "both"],
+                       help="the proposer(s) timed against plain decoding (default ngram)")
+        p.add_argument("--num-speculative-tokens", type=int, default=4)
+        p.add_argument("--prompt-lookup-min", type=int, default=1)
+        p.add_argument("--prompt-lookup-max", type=int, default=4)
+        p.add_argument("--draft-model", default=None,
+                       help="the draft model (default: --model itself: draft = target, every "
+                       "proposal accepted, the mechanism's ceiling)")
+        p.add_argument("--draft-load-format", default=None, choices=LOAD_FORMATS,
+                       help="default: --load-format")
+        p.add_argument("--streams", type=int, default=1,
+                       help="requests generated at once (default 1: single stream, each "
+                       "request alone)")
+        p.add_argument("--disable-by-batch-size", type=int, default=None,
+                       help="no speculation in a step with more running sequences")
     return p
 
 
@@ -204,7 +225,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.num_requests < 1:
         raise UsageError(f"--num-requests must be at least 1, got {args.num_requests}")
     for name in ("num_steps", "prefix_len", "peer_max_tokens", "repeats", "target_tokens",
-                 "target_streams", "prefill_len"):
+                 "target_streams", "prefill_len", "num_speculative_tokens", "streams",
+                 "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
         value = getattr(args, name, None)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -631,9 +653,107 @@ def bench_scheduler(args: argparse.Namespace) -> Report:
     return Report("scheduler", WORKLOADS["scheduler"].description, [row], summary, columns)
 
 
+# `spec`: requests to repeat or lightly edit a passage, the n-gram proposer's home ground.
+SPEC_TASKS = [
+    "Repeat the following passage word for word, with nothing before or after it.",
+    "Copy the following passage exactly, but write every number in digits.",
+    "Rewrite the following passage unchanged except that every 'the' becomes 'this'.",
+    "Return the following passage in full with its spelling checked; change nothing else.",
+]
+
+
+def spec_prompts(llm, args: argparse.Namespace) -> list[list[int]]:
+    """Chat prompts asking to repeat or edit one of PASSAGES (a model with a tokenizer and
+    a chat template); else (dummy weights) a random passage of --max-input-len tokens
+    written twice, which a model that copies its input continues."""
+    rng = random.Random(args.seed)
+    tokenizer = llm.get_tokenizer()
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        prompts = []
+        vocab = min(10000, llm.engine.model_config.vocab_size)
+        for _ in range(args.num_requests):
+            passage = [rng.randrange(vocab) for _ in range(args.input_len[1] // 2)]
+            prompts.append(passage + passage)
+        return prompts
+    out = []
+    for i in range(args.num_requests):
+        passage = PASSAGES[(args.seed + i) % len(PASSAGES)]
+        task = SPEC_TASKS[i % len(SPEC_TASKS)]
+        out.append(apply_chat_template(
+            tokenizer, [{"role": "user", "content": f"{task}\n\n{passage}"}]))
+    return out
+
+
+def _spec_run(args: argparse.Namespace, name: str, speculative_config: dict | None,
+              ) -> tuple[RunResult, list[list[int]], Any]:
+    llm = make_llm(args, speculative_config=speculative_config)
+    prompts = spec_prompts(llm, args)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len[1])
+    warm_up(llm, llm.engine.model_config.vocab_size)
+    _sync()
+    start = time.perf_counter()
+    outs = []
+    for i in range(0, len(prompts), args.streams):
+        outs += llm.generate(prompts[i:i + args.streams], params, use_tqdm=False)
+    _sync()
+    elapsed = time.perf_counter() - start
+    tokens = [o.outputs[0].token_ids for o in outs]
+    result = RunResult(name, len(prompts), sum(map(len, prompts)), sum(map(len, tokens)),
+                       elapsed)
+    stats = llm.engine.get_stats()
+    if speculative_config is not None:
+        result.extra.update(acceptance_rate=stats.spec_acceptance_rate,
+                            mean_accepted_length=stats.spec_mean_accepted_length)
+    llm.engine.shutdown()
+    del llm
+    free_memory()
+    return result, tokens, prompts
+
+
+def bench_spec(args: argparse.Namespace) -> Report:
+    """Plain decoding, then each proposer, on the same prompts, greedy; the outputs must be
+    the same tokens. One engine at a time."""
+    methods = ["ngram", "draft_model"] if args.method == "both" else [args.method]
+    plain, plain_tokens, _ = _spec_run(args, "plain", None)
+    runs: list[RunResult | dict] = [plain]
+    summary: dict[str, Any] = {"streams": args.streams,
+                               "num_speculative_tokens": args.num_speculative_tokens}
+    for method in methods:
+        config: dict[str, Any] = {"method": method,
+                                  "num_speculative_tokens": args.num_speculative_tokens}
+        if method == "ngram":
+            config.update(prompt_lookup_min=args.prompt_lookup_min,
+                          prompt_lookup_max=args.prompt_lookup_max)
+        else:
+            config.update(model=args.draft_model or args.model or _default_model(),
+                          load_format=args.draft_load_format or args.load_format,
+                          seed=args.seed)
+        if args.disable_by_batch_size is not None:
+            config["disable_by_batch_size"] = args.disable_by_batch_size
+        result, tokens, _ = _spec_run(args, method, config)
+        same = sum(a == b for a, b in zip(plain_tokens, tokens))
+        result.extra["identical_outputs"] = f"{same}/{len(tokens)}"
+        runs.append(result)
+        summary[f"{method}_speedup"] = _ratio(result, plain)
+        summary[f"{method}_acceptance_rate"] = result.extra["acceptance_rate"]
+        summary[f"{method}_mean_accepted_length"] = result.extra["mean_accepted_length"]
+        summary[f"{method}_identical_outputs"] = result.extra["identical_outputs"]
+    columns = THROUGHPUT_COLUMNS + [("acceptance_rate", "accepted", "{:.1%}"),
+                                    ("mean_accepted_length", "tok/verify", "{:.2f}"),
+                                    ("identical_outputs", "same text", "{}")]
+    return Report("spec", WORKLOADS["spec"].description, runs, summary, columns)
+
+
+def _default_model() -> str:
+    from pagedllm.loader import default_model_path
+
+    return default_model_path()
+
+
 RUNNERS: dict[str, Callable[[argparse.Namespace], Report]] = {
     "cpu": bench_cpu, "nano": bench_nano, "decode-8b": bench_decode,
     "throughput-8b": bench_throughput, "prefix-8b": bench_prefix, "scheduler": bench_scheduler,
+    "spec": bench_spec,
 }
 
 

@@ -45,12 +45,21 @@ class StepBatchBuilder:
             if self._sent.pop(seq_id, None) is not None:
                 self._freed.append(seq_id)
 
+    def trim(self, seq_id: int, num_blocks: int) -> None:
+        """The block manager cut the table of `seq_id` to `num_blocks` (speculative
+        rollback): blocks from there on are sent again when the table grows back."""
+        sent = self._sent.get(seq_id)
+        if sent is not None and sent.num_blocks > num_blocks:
+            sent.num_blocks = num_blocks
+
     def build(self, out: SchedulerOutput) -> StepBatch:
         batch = StepBatch(
             forks=self._forks, freed_seq_ids=self._freed,
             blocks_to_swap_out=out.blocks_to_swap_out, blocks_to_swap_in=out.blocks_to_swap_in,
             blocks_to_copy=out.blocks_to_copy, num_steps=out.num_steps,
+            spec_token_ids=out.spec_token_ids, num_draft_tokens=out.num_draft_tokens,
         )
+        spec = out.spec_token_ids or out.num_draft_tokens
         self._forks, self._freed = [], []
         sent_of = self._sent
         tables = out.block_tables
@@ -85,13 +94,19 @@ class StepBatchBuilder:
                 if table is not sent.table or (cow and seq_id in cow):
                     batch.block_tables[seq_id] = (0, list(table))
                     sent.table, sent.num_blocks = table, len(table)
-                elif len(table) > sent.num_blocks:
-                    batch.block_tables[seq_id] = (sent.num_blocks, table[sent.num_blocks:])
+                elif len(table) != sent.num_blocks:  # grown (or trimmed: truncates)
+                    batch.block_tables[seq_id] = (min(sent.num_blocks, len(table)),
+                                                  table[sent.num_blocks:])
                     sent.num_blocks = len(table)
                 add_id(seq_id)
                 add_tokens(new_tokens)
                 add_computed(seq.num_computed_tokens + pending)
-                add_scheduled(chunk)
+                if spec and seq_id in spec:
+                    proposals = out.spec_token_ids.get(seq_id)
+                    add_scheduled(chunk + (len(proposals) if proposals is not None
+                                           else out.num_draft_tokens[seq_id]))
+                else:
+                    add_scheduled(chunk)
                 add_sample(do_sample)
                 if do_sample and len(seqs) == 1 and not seq.output_token_ids \
                         and group.max_num_samples > 1:

@@ -288,6 +288,26 @@ class BlockSpaceManager:
             table.append(block)
             numbers.append(block.block_number)
 
+    def trim(self, seq: Sequence) -> int:
+        """Speculative decoding's rollback: give back the blocks past the sequence's tokens
+        (reserved for proposals that were rejected). Their slots held only unaccepted K/V,
+        which nothing reads: the next step overwrites the slots it keeps. Returns how many
+        blocks went back."""
+        table = self.block_tables.get(seq.seq_id)
+        if not table or table[0].device != "gpu":
+            return 0
+        keep = _cdiv(seq.get_len(), self.block_size)
+        if len(table) <= keep:
+            return 0
+        numbers = self.block_number_tables[seq.seq_id]
+        extra = table[keep:]
+        del table[keep:]
+        del numbers[keep:]
+        for block in reversed(extra):
+            assert block.block_hash is None, f"cached block {block.block_number} past the end"
+            self.gpu_allocator.free(block)
+        return len(extra)
+
     def fork(self, parent_seq: Sequence, child_seq: Sequence) -> None:
         """The child shares every block of the parent."""
         table = self._gpu_table(parent_seq)

@@ -16,6 +16,7 @@ from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.engine_args import EngineArgs
 from pagedllm.engine.batch_builder import StepBatchBuilder
 from pagedllm.engine.detokenizer import Detokenizer, find_stop_string
+from pagedllm.engine.ngram_proposer import propose_ngram
 from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
 from pagedllm.engine.sequence import Logprob, Sequence, SequenceGroup, SequenceStatus
 from pagedllm.layers.sampler import SampleResult
@@ -41,6 +42,23 @@ class EngineStats:
     num_gpu_blocks: int
     block_size: int
     weight_bytes: int = 0  # the model's weights as stored (packed GGUF / FP8 count as such)
+    # Speculative decoding since the engine started: proposals scored, proposals accepted,
+    # and rows verified (each also gets one token of the target's own).
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_verified_rows: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted / proposed tokens (0 before any proposal)."""
+        n = self.spec_num_draft_tokens
+        return self.spec_num_accepted_tokens / n if n else 0.0
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens a verified row produced on average: accepted proposals + 1."""
+        n = self.spec_num_verified_rows
+        return (self.spec_num_accepted_tokens + n) / n if n else 0.0
 
 
 @dataclass
@@ -93,6 +111,11 @@ class LLMEngine:
         self.async_scheduling = on_cuda if args.async_scheduling is None else args.async_scheduling
         self.batch_builder = StepBatchBuilder()
         self._in_flight: _InFlight | None = None
+        # A speculative step needs the last step's tokens: it runs alone (one step per
+        # schedule, nothing launched ahead). Multi-step and async scheduling stay for the
+        # steps where speculation is off (above disable_by_batch_size running sequences).
+        self.speculative_config = args.speculative_config
+        self.spec_counts = [0, 0, 0]  # draft tokens, accepted tokens, verified rows
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -191,14 +214,19 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         running, self._in_flight = self._in_flight, None
         if running is None:
-            out = self.scheduler.schedule(self.num_scheduler_steps)
+            speculate = self._speculation_on()
+            out = self.scheduler.schedule(1 if speculate else self.num_scheduler_steps)
             for group in out.ignored_seq_groups:
                 outputs.append(self._ignored_output(group))
                 self._forget(group)
             if out.is_empty():
                 return outputs
+            if speculate:
+                self._speculate(out)
             running = self._launch(out)
-        if self.async_scheduling:
+        if self.async_scheduling and not (running.out.spec_token_ids or
+                                          running.out.num_draft_tokens or
+                                          self._speculation_on()):
             after = self.scheduler.schedule_continuation(running.out, self.num_scheduler_steps)
             if after is not None:
                 self._in_flight = self._launch(after)
@@ -206,6 +234,40 @@ class LLMEngine:
         for group in self.scheduler.free_finished_seq_groups():
             self._forget(group)
         return outputs
+
+    def _speculation_on(self) -> bool:
+        spec = self.speculative_config
+        if spec is None:
+            return False
+        limit = spec.disable_by_batch_size
+        return limit is None or sum(len(g.seqs_dict) for g in self.scheduler.running) <= limit
+
+    def _speculate(self, out: SchedulerOutput) -> None:
+        """Proposals for the step's decode rows (n-gram: the tokens themselves; draft
+        model: how many the worker's draft proposes), each with its slots reserved. None
+        past `disable_by_batch_size` running sequences, none past max_tokens (the target's
+        own token covers the last) or the context, none where the slots do not fit."""
+        spec = self.speculative_config
+        if out.num_steps != 1:
+            return
+        seqs = [(scheduled.seq_group, seq) for scheduled in out.scheduled_seq_groups
+                if scheduled.token_chunk_size == 1 and scheduled.do_sample
+                for seq in scheduled.seq_group.seqs_dict.values()
+                if seq.status is RUNNING and seq.output_token_ids]
+        for group, seq in seqs:
+            length = seq.get_len()
+            k = min(spec.num_speculative_tokens,
+                    group.sampling_params.max_tokens - seq.get_output_len() - 1,
+                    self.max_model_len - length - 1)
+            if k < 1:
+                continue
+            if spec.method == "ngram":
+                proposal = propose_ngram(seq.get_token_ids(), k, spec.prompt_lookup_min,
+                                         spec.prompt_lookup_max)
+                if proposal and self.scheduler.reserve_speculative(out, seq, len(proposal)):
+                    out.spec_token_ids[seq.seq_id] = proposal
+            elif self.scheduler.reserve_speculative(out, seq, k):
+                out.num_draft_tokens[seq.seq_id] = k
 
     def _launch(self, out: SchedulerOutput) -> _InFlight:
         return _InFlight(out, self.worker.launch(self.batch_builder.build(out)))
@@ -235,6 +297,11 @@ class LLMEngine:
                 if not scheduled.do_sample:
                     continue
                 samples = steps[0][seq.seq_id]
+                spec = result.num_spec_tokens.get(seq.seq_id) if result.num_spec_tokens \
+                    else None
+                if spec is not None:
+                    self._append_spec(group, seq, samples, *spec)
+                    continue
                 if len(samples) > 1:
                     self._fork(group, seq, samples[1:])
                 self._append(seq, samples[0], group)
@@ -248,6 +315,26 @@ class LLMEngine:
                 if self.stream_outputs or group.is_finished():
                     outputs.append(self._make_output(group))
         return outputs
+
+    def _append_spec(self, group: SequenceGroup, seq: Sequence, samples: list[SampleResult],
+                     num_tokens: int, num_proposed: int) -> None:
+        """A speculative row's kept tokens, appended one by one up to a stop (a stop string
+        or max_tokens mid-window drops the rest); each token after the first was a scored
+        proposal, so its K/V is in the cache. Then the rollback: blocks past the tokens go
+        back to the allocator (the slots of rejected proposals are overwritten later)."""
+        self.spec_counts[0] += num_proposed
+        self.spec_counts[1] += num_tokens - 1
+        self.spec_counts[2] += 1
+        self._append(seq, samples[0], group)
+        for sample in samples[1:num_tokens]:
+            if seq.is_finished():
+                break
+            self.scheduler.mark_computed(seq, 1)
+            self._append(seq, sample, group)
+        if seq.status is RUNNING:
+            bm = self.scheduler.block_manager
+            if bm.trim(seq):
+                self.batch_builder.trim(seq.seq_id, len(bm.block_tables[seq.seq_id]))
 
     def _fork(self, group: SequenceGroup, parent: Sequence, extra: list[SampleResult]) -> None:
         """The extra samples of a first best_of/n sample become children of `parent`."""
@@ -390,6 +477,9 @@ class LLMEngine:
             num_gpu_blocks=self.worker.num_gpu_blocks,
             block_size=self.block_size,
             weight_bytes=self.worker.weight_bytes,
+            spec_num_draft_tokens=self.spec_counts[0],
+            spec_num_accepted_tokens=self.spec_counts[1],
+            spec_num_verified_rows=self.spec_counts[2],
         )
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:

@@ -64,6 +64,10 @@ class SchedulerOutput:
     # Async scheduling: tokens every scheduled sequence has sampled on the device in a step
     # still running, not yet appended; this step's input starts after them.
     num_pending_tokens: int = 0
+    # Speculative decoding (see `reserve_speculative`): seq_id -> proposed tokens (n-gram),
+    # or seq_id -> tokens the worker's draft model proposes.
+    spec_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    num_draft_tokens: dict[int, int] = field(default_factory=dict)
 
     def is_empty(self) -> bool:
         return not (
@@ -321,6 +325,23 @@ class Scheduler:
             return False
         for seq in seqs:
             bm.reserve_lookahead(seq, num_tokens)
+        return True
+
+    def reserve_speculative(self, out: SchedulerOutput, seq: Sequence,
+                            num_tokens: int) -> bool:
+        """Speculative decoding: slots for `num_tokens` proposals after the last token of
+        `seq`, a decode row of `out`, so its step computes 1 + num_tokens tokens. Only when
+        the step's token budget and the free blocks allow it (speculation never preempts);
+        False, reserving nothing, otherwise. Blocks past the tokens the step accepts go
+        back with `BlockSpaceManager.trim`."""
+        bm = self.block_manager
+        if num_tokens > self._budget_left(out) or seq.get_len() + num_tokens > \
+                self.scheduler_config.max_model_len:
+            return False
+        if bm.num_lookahead_blocks(seq, num_tokens) > bm.get_num_free_gpu_blocks():
+            return False
+        bm.reserve_lookahead(seq, num_tokens)
+        out.num_batched_tokens += num_tokens
         return True
 
     def mark_computed(self, seq: Sequence, num_tokens: int) -> None:

@@ -53,7 +53,9 @@ class LLM:
     kv_cache_memory (kv_cache_memory_bytes), gpu_memory_utilization, swap_space,
     num_gpu_blocks_override, enforce_eager, num_scheduler_steps, async_scheduling,
     tensor_parallel_size (ranks the model is split over; call llm.engine.shutdown() before
-    making another such LLM in the same process), distributed_timeout, disable_log_stats.
+    making another such LLM in the same process), distributed_timeout, disable_log_stats,
+    speculative_config ({"method": "ngram" | "draft_model", "num_speculative_tokens": k,
+    ...}: see SpeculativeConfig in pagedllm/config.py).
 
     Also accepted as vLLM code passes them: pipeline_parallel_size and data_parallel_size
     of 1 (more is not supported yet); trust_remote_code (pagedllm implements its architectures itself

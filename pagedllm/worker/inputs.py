@@ -68,6 +68,13 @@ class StepBatch:
     num_steps: int = 1  # >1: a decode-only batch run that many times back to back
     # Reserved for structured output: packed int32 [sampled rows, ceil(vocab / 32)].
     token_bitmask: Any = None
+    # Speculative decoding (a decode row only; its num_scheduled_tokens counts them too):
+    # seq_id -> proposed tokens after the row's last token (n-gram, proposed by the engine),
+    # or seq_id -> how many tokens the worker's draft model proposes. Such a row's input is
+    # its last token plus the proposals; the worker scores every position and keeps the
+    # accepted prefix plus one token of its own (StepResult.num_spec_tokens).
+    spec_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    num_draft_tokens: dict[int, int] = field(default_factory=dict)
 
     def add_row(self, seq_id: int, new_token_ids: list[int], num_computed_tokens: int,
                 num_scheduled_tokens: int, do_sample: bool) -> None:
@@ -99,6 +106,10 @@ class StepResult:
     # rank, k top ids, k top logprobs] (see layers/sampler.py).
     sampled: torch.Tensor | None = None
     prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)  # by seq_id
+    # Speculative rows: seq_id -> (tokens it gets this step, 1..k+1; proposals scored, k).
+    # Such a row's num_samples entries are its k+1 positions in order, the first
+    # num_spec_tokens of them the tokens to append (not forks).
+    num_spec_tokens: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def num_steps(self) -> int:

@@ -20,6 +20,7 @@ from pagedllm.kernels.metadata import PagedAttentionInputMetadata, host_to_devic
 from pagedllm.layers.sampler import (
     SampledBatch, Sampler, SamplingRow, compute_prompt_logprobs, make_generator,
 )
+from pagedllm.layers.rejection_sampler import SpecVerifier
 from pagedllm.models.device_map import DeviceMap
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.cuda_graphs import DecodeCUDAGraphs
@@ -64,6 +65,8 @@ class FlatBatch:
     prompt_logprob_rows: dict[int, tuple[int, int, list[int], int]] = field(default_factory=dict)
     # (flat index, index into the last step's samples): input ids still on the device.
     from_last_samples: list[tuple[int, int]] = field(default_factory=list)
+    # Speculative rows, (seq_id, row, proposals): their k+1 logits rows come last.
+    spec_rows: list[tuple[int, SamplingRow, list[int]]] = field(default_factory=list)
 
     @property
     def max_query_len(self) -> int:
@@ -135,6 +138,9 @@ class ModelRunner:
         self.input_device = layer_devices[0]
         self.logits_device = logits_device or layer_devices[-1]
         self.sampler = Sampler(eos_token_ids)
+        self.verifier = SpecVerifier(self.sampler)
+        # The draft model of speculative decoding (worker/draft_model.py), when configured.
+        self.drafter = None
         self.graphs: DecodeCUDAGraphs | None = None  # set by enable_cuda_graphs
         self.seqs: dict[int, SeqState] = {}
         # The last launched step's samples (async scheduling reads a row's input id from
@@ -185,10 +191,13 @@ class ModelRunner:
         return state
 
     # ----------------------------------------------------------------- inputs
-    def gather(self, batch: StepBatch) -> FlatBatch:
+    def gather(self, batch: StepBatch, spec: dict[int, list[int]] | None = None) -> FlatBatch:
+        """`spec`: the speculative rows' proposals (batch.spec_token_ids and the draft
+        model's); such a row's input is its known tokens, then the proposals."""
         b = FlatBatch()
         prompt_indices: list[int] = []
         sample_indices: list[int] = []
+        spec_indices: list[int] = []
         bs = self.block_size
         seqs = self.seqs
         num_samples = batch.num_samples
@@ -201,7 +210,11 @@ class ModelRunner:
             table = st.block_table
             first = len(b.input_ids)
             prompt_len = len(st.prompt_token_ids)
-            if end <= prompt_len + len(st.output_token_ids):
+            proposals = spec.get(seq_id) if spec else None
+            if proposals is not None:
+                b.input_ids += st.token_slice(start, end - len(proposals))
+                b.input_ids += proposals
+            elif end <= prompt_len + len(st.output_token_ids):
                 b.input_ids += st.token_slice(start, end)
             else:
                 if last_index is None:
@@ -223,7 +236,13 @@ class ModelRunner:
                     params.prompt_logprobs,
                 )
                 prompt_indices += range(first, first + last - start)
-            if batch.do_sample[i]:
+            if proposals is not None and batch.do_sample[i]:
+                spec_indices += range(first + chunk - len(proposals) - 1, first + chunk)
+                b.spec_rows.append((seq_id, SamplingRow(
+                    params=params, prompt_token_ids=st.prompt_token_ids,
+                    output_token_ids=st.output_token_ids, generator=st.generator,
+                ), proposals))
+            elif batch.do_sample[i]:
                 sample_indices.append(first + chunk - 1)
                 b.sample_rows.append((seq_id, SamplingRow(
                     params=params,
@@ -232,7 +251,7 @@ class ModelRunner:
                     num_samples=num_samples.get(seq_id, 1) if num_samples else 1,
                     generator=st.generator,
                 )))
-        b.logits_indices = prompt_indices + sample_indices
+        b.logits_indices = prompt_indices + sample_indices + spec_indices
         return b
 
     def _last_sample_index(self) -> dict[int, int]:
@@ -308,9 +327,16 @@ class ModelRunner:
         if batch.token_bitmask is not None:
             raise NotImplementedError("token_bitmask (structured output) is not applied yet")
         self.apply(batch)
+        spec, draft_probs = batch.spec_token_ids, {}
+        if self.drafter is not None:
+            # The draft model's cache follows every row; it proposes for the rows that ask.
+            drafted = self.drafter.propose(batch, self.seqs)
+            if drafted:
+                spec = {**spec, **{i: tokens for i, (tokens, _) in drafted.items()}}
+                draft_probs = {i: q for i, (_, q) in drafted.items()}
         if not batch.seq_ids:
             return PendingStep(StepResult())
-        b = self.gather(batch)
+        b = self.gather(batch, spec)
         input_ids = self._device_input_ids(b)
         self._last_sampled = None
         hidden = self.forward(b, kv_caches, input_ids)
@@ -322,6 +348,8 @@ class ModelRunner:
             result.prompt_logprobs[seq_id] = compute_prompt_logprobs(
                 logits[row: row + count], targets, k
             )
+        if b.spec_rows:
+            return PendingStep(result, self._verify(batch, b, logits, result, draft_probs))
         if not b.sample_rows:
             return PendingStep(result)
         rows = [row for _, row in b.sample_rows]
@@ -337,6 +365,40 @@ class ModelRunner:
         self._last_sampled = (result.seq_ids, result.num_samples, steps[-1].token_ids)
         return PendingStep(result, _stack_packed(steps))
 
+    def _verify(self, batch: StepBatch, b: FlatBatch, logits: torch.Tensor, result: StepResult,
+                draft_probs: dict[int, torch.Tensor | None]) -> torch.Tensor:
+        """A step with speculative rows (one step, synchronous): the plain rows sample as
+        usual, the speculative rows keep their accepted proposals plus one token. Fills
+        `result` but its samples, which it returns ([1, samples, width])."""
+        if batch.num_steps != 1:
+            raise ValueError("a speculative step runs one step (num_steps must be 1)")
+        self._last_sampled = None
+        rows = [row for _, row in b.sample_rows]
+        num_spec = sum(len(p) + 1 for _, _, p in b.spec_rows)
+        first_spec = len(b.logits_indices) - num_spec
+        parts, num_top = [], []
+        if rows:
+            sampled = self.sampler.sample(logits[first_spec - len(rows): first_spec], rows)
+            parts.append(sampled.packed)
+            num_top += sampled.num_top
+        packed, kept = self.verifier(
+            logits[first_spec:], [row for _, row, _ in b.spec_rows],
+            [p for _, _, p in b.spec_rows],
+            [draft_probs.get(seq_id) for seq_id, _, _ in b.spec_rows])
+        parts.append(packed)
+        result.seq_ids = [seq_id for seq_id, _ in b.sample_rows] + \
+            [seq_id for seq_id, _, _ in b.spec_rows]
+        result.num_samples = [row.num_samples for row in rows] + \
+            [len(p) + 1 for _, _, p in b.spec_rows]
+        num_top += [row.params.logprobs or 0 for _, row, _ in b.spec_rows]
+        result.num_logprobs = num_top
+        for (seq_id, _, proposals), n in zip(b.spec_rows, kept):
+            result.num_spec_tokens[seq_id] = (n, len(proposals))
+        if self.drafter is not None:
+            self.drafter.accepted({seq_id: n for (seq_id, _, _), n in zip(b.spec_rows, kept)})
+        width = max(p.shape[1] for p in parts)
+        return torch.cat([_widen(p, width) for p in parts])[None]
+
     def execute(self, batch: StepBatch, kv_caches: list[torch.Tensor]) -> StepResult:
         return self.launch(batch, kv_caches).wait()
 
@@ -349,6 +411,16 @@ class ModelRunner:
 
 def _unknown(seq_id: int) -> ValueError:
     return ValueError(f"sequence {seq_id} is not known to the worker (never sent, or freed)")
+
+
+def _widen(packed: torch.Tensor, width: int) -> torch.Tensor:
+    """Packed samples [n, 3 + 2k] -> [n, width] with zero columns after the k top ids and
+    after the k top logprobs (unpack_sample reads the first k of each)."""
+    if packed.shape[1] == width:
+        return packed
+    k, extra = (packed.shape[1] - 3) // 2, (width - packed.shape[1]) // 2
+    pad = packed.new_zeros(packed.shape[0], extra)
+    return torch.cat([packed[:, : 3 + k], pad, packed[:, 3 + k:], pad], dim=1)
 
 
 def _stack_packed(steps: list[SampledBatch]) -> torch.Tensor:

@@ -129,6 +129,16 @@ class Worker:
         self.block_size = args.block_size
         self.runner = ModelRunner(self.model, args.block_size, self.eos_token_ids,
                                   self.device_map.layer_devices, self.logits_device)
+        self.draft_cache_engine = None
+        spec = args.speculative_config
+        draft = None
+        if spec is not None and spec.method == "draft_model":
+            from pagedllm.worker.draft_model import load_draft_model
+
+            draft = load_draft_model(spec.model, spec.load_format, spec.seed, self.dtype,
+                                     self.device_map.input_device, config.vocab_size,
+                                     self.max_model_len)
+            self.weight_bytes += memory.module_bytes(draft)
         if graphs_supported(self.device_map.layer_devices, args.enforce_eager):
             self.runner.enable_cuda_graphs(self.max_num_seqs, self.max_model_len,
                                            kv_heads, config.head_dim, self.dtype)
@@ -139,11 +149,29 @@ class Worker:
             raise ValueError("no memory is left for the KV cache: lower the batch limits or "
                              "give the cache more memory")
         all_layers_block = bytes_per_block(kv_config, args.block_size, self.dtype, num_layers)
+        if draft is not None:
+            # The draft's cache has the same blocks: the budget pays for both per block.
+            d = draft.config
+            draft_block = bytes_per_block(d, args.block_size, self.dtype, d.num_hidden_layers)
+            if not args.num_gpu_blocks_override:
+                self.num_gpu_blocks = self.num_gpu_blocks * all_layers_block // (
+                    all_layers_block + draft_block)
+            all_layers_block += draft_block
         self.num_cpu_blocks = int(args.swap_space * (1 << 30)) // all_layers_block
         self.cache_engine = CacheEngine(
             kv_config, args.block_size, self.num_gpu_blocks, self.num_cpu_blocks, self.dtype,
             self.device_map,
         )
+        if draft is not None:
+            from pagedllm.worker.draft_model import DraftProposer
+
+            d = draft.config
+            self.draft_cache_engine = CacheEngine(
+                d, args.block_size, self.num_gpu_blocks, self.num_cpu_blocks, self.dtype,
+                DeviceMap.single(self.device_map.input_device, d.num_hidden_layers))
+            self.runner.drafter = DraftProposer(draft, self.draft_cache_engine.gpu_cache,
+                                                args.block_size, self.device_map.input_device,
+                                                self.runner.sampler)
         if self.runner.graphs is not None:
             self.runner.graphs.capture(self.cache_engine.gpu_cache)
         groups = self.device_map.groups
@@ -318,6 +346,10 @@ class Worker:
         self.cache_engine.swap_out(batch.blocks_to_swap_out)
         self.cache_engine.swap_in(batch.blocks_to_swap_in)
         self.cache_engine.copy(batch.blocks_to_copy)
+        if self.draft_cache_engine is not None:
+            self.draft_cache_engine.swap_out(batch.blocks_to_swap_out)
+            self.draft_cache_engine.swap_in(batch.blocks_to_swap_in)
+            self.draft_cache_engine.copy(batch.blocks_to_copy)
         return self.runner.launch(batch, self.cache_engine.gpu_cache)
 
     def execute(self, batch: StepBatch) -> StepResult:

@@ -33,6 +33,18 @@ class ServerMetrics:
         self.weight_bytes = Gauge("pagedllm:model_weight_bytes",
                                   "Bytes of the model's weights as stored (quantized or not)",
                                   registry=r)
+        # Speculative decoding (0 without it): proposals scored and accepted since start.
+        self.spec_draft_tokens = Gauge("pagedllm:spec_decode_num_draft_tokens",
+                                       "Proposed tokens scored by the target model", registry=r)
+        self.spec_accepted_tokens = Gauge("pagedllm:spec_decode_num_accepted_tokens",
+                                          "Proposed tokens the target model accepted",
+                                          registry=r)
+        self.spec_acceptance_rate = Gauge("pagedllm:spec_decode_acceptance_rate",
+                                          "Accepted / proposed tokens (0-1)", registry=r)
+        self.spec_mean_accepted_length = Gauge(
+            "pagedllm:spec_decode_mean_accepted_length",
+            "Tokens per speculative row and step: accepted proposals + the target's own",
+            registry=r)
         self.ttft = Histogram("pagedllm:time_to_first_token_seconds",
                               "Time from arrival to the first generated token",
                               buckets=TTFT_BUCKETS, registry=r)
@@ -81,4 +93,8 @@ class ServerMetrics:
         self.prefix_cache_hit_rate.set(stats.prefix_cache_hit_rate)
         self.num_preemptions.set(stats.num_preemptions)
         self.weight_bytes.set(stats.weight_bytes)
+        self.spec_draft_tokens.set(getattr(stats, "spec_num_draft_tokens", 0))
+        self.spec_accepted_tokens.set(getattr(stats, "spec_num_accepted_tokens", 0))
+        self.spec_acceptance_rate.set(getattr(stats, "spec_acceptance_rate", 0.0))
+        self.spec_mean_accepted_length.set(getattr(stats, "spec_mean_accepted_length", 0.0))
         return generate_latest(self.registry)

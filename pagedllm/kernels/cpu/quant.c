@@ -14,9 +14,10 @@
  * dequantize and get_rows compute every weight with the oracle's own fp32 operations and
  * rounding order (gguf.quants.dequantize: a multiply, then an add for the offset), so they
  * are bit-exact. The matmul takes fp32 activations in two ways:
- *   1-4 rows (decode): the activations are quantized to 16-bit integers per block of 32 and
- *       multiplied with the weights in integer arithmetic, straight from the packed bytes
- *       (int_matmul): each weight row is read once for all rows;
+ *   1-8 rows (decode, a speculative step's k + 1 rows): the activations are quantized to
+ *       16-bit integers per block of 32 and multiplied with the weights in integer
+ *       arithmetic, straight from the packed bytes (int_matmul): each weight row is read
+ *       once for all rows;
  *   more rows: each thread dequantizes a few weight rows at a time into a buffer in L1 and
  *       multiplies them with the activations in fp32 FMAs (tiled_matmul).
  * Larger batches (prompts) dequantize whole weights and use BLAS (layers/gguf_linear.py).
@@ -374,7 +375,7 @@ static void tiled_matmul(float *out, int64_t ldo, const float *x, int64_t ldx, i
  * quantized x^ (|x^ - x| <= dx / 2, a relative 1.5e-5 of the block's largest value) up to
  * fp32 rounding: close to fp32, where 8-bit activations (llama.cpp's) flip greedy tokens. */
 
-#define INT_MAX_ROWS 4
+#define INT_MAX_ROWS 8
 
 typedef struct {
     int16_t *q;      /* [k] */
@@ -545,7 +546,11 @@ static void int_matmul(float *out, int64_t ldo, const float *x, int64_t ldx, int
         case 1: int_rows(QT, row, xq, 1, k, out + j, ldo); break;                            \
         case 2: int_rows(QT, row, xq, 2, k, out + j, ldo); break;                            \
         case 3: int_rows(QT, row, xq, 3, k, out + j, ldo); break;                            \
-        default: int_rows(QT, row, xq, 4, k, out + j, ldo); break;                           \
+        case 4: int_rows(QT, row, xq, 4, k, out + j, ldo); break;                            \
+        case 5: int_rows(QT, row, xq, 5, k, out + j, ldo); break;                            \
+        case 6: int_rows(QT, row, xq, 6, k, out + j, ldo); break;                            \
+        case 7: int_rows(QT, row, xq, 7, k, out + j, ldo); break;                            \
+        default: int_rows(QT, row, xq, 8, k, out + j, ldo); break;                           \
         }                                                                                    \
     }
     /* one loop per type and row count, so that int_rows's branches are resolved at compile
