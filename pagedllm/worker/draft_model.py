@@ -19,7 +19,6 @@ rejection sampling.
 """
 from __future__ import annotations
 
-import contextlib
 
 import torch
 from torch import nn
@@ -28,7 +27,7 @@ from pagedllm.kernels.metadata import PagedAttentionInputMetadata, host_to_devic
 from pagedllm.layers.sampler import Sampler, SamplingRow, _exponential_noise, _random_probs
 from pagedllm.loader import initialize_dummy_weights, load_model_source
 from pagedllm.models.device_map import DeviceMap
-from pagedllm.models.registry import build_model
+from pagedllm.models.registry import build_empty_model
 from pagedllm.sampling_params import SamplingType
 from pagedllm.worker.inputs import StepBatch
 from pagedllm.worker.placement import place_model
@@ -47,32 +46,13 @@ def load_draft_model(model: str, load_format: str, seed: int, dtype: torch.dtype
         raise ValueError(f"speculative_config: the draft model {model!r} takes "
                          f"{config.max_position_embeddings} positions, less than the target's "
                          f"context of {max_model_len} (lower max_model_len)")
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device("meta"), _no_init():
-            draft = build_model(config)
-    finally:
-        torch.set_default_dtype(previous)
+    draft = build_empty_model(config, dtype)
     place_model(draft, DeviceMap.single(device, config.num_hidden_layers))
     if source.load_format == "dummy":
         initialize_dummy_weights(draft, seed)
     else:
         draft.load_weights(source.iter_weights(dtype))
     return draft.eval()
-
-
-@contextlib.contextmanager
-def _no_init():
-    names = [n for n in dir(nn.init) if n.endswith("_") and not n.startswith("_")]
-    saved = {n: getattr(nn.init, n) for n in names}
-    for n in names:
-        setattr(nn.init, n, lambda tensor, *args, **kwargs: tensor)
-    try:
-        yield
-    finally:
-        for n, fn in saved.items():
-            setattr(nn.init, n, fn)
 
 
 def _reads_output(params, output: list[int]) -> bool:

@@ -3,7 +3,6 @@ step batches (cache swaps/copies, then the forward and sampling). It reads nothi
 engine but the plain StepBatch (worker/inputs.py)."""
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import math
@@ -22,7 +21,7 @@ from pagedllm.layers.gguf_linear import unloaded_parts
 from pagedllm.loader import initialize_dummy_weights, load_model_source
 from pagedllm.loader.gguf_loader import packed_tensor_types
 from pagedllm.models.device_map import DeviceMap
-from pagedllm.models.registry import build_model
+from pagedllm.models.registry import build_empty_model
 from pagedllm.layers import dispatch
 from pagedllm.layers.linear import prepack_model
 from pagedllm.worker import memory
@@ -65,21 +64,6 @@ def tp_device(device: torch.device, device_map: str) -> torch.device:
                          f"{torch.cuda.device_count()} GPU(s) are visible")
     torch.cuda.set_device(local)
     return torch.device("cuda", local)
-
-
-@contextlib.contextmanager
-def _no_init():
-    """Skip the random init of parameters built on the meta device: they get their values
-    only after placement, and nn.init.normal_ on meta imports torch._dynamo (2-4 s)."""
-    names = [n for n in dir(nn.init) if n.endswith("_") and not n.startswith("_")]
-    saved = {n: getattr(nn.init, n) for n in names}
-    for n in names:
-        setattr(nn.init, n, lambda tensor, *args, **kwargs: tensor)
-    try:
-        yield
-    finally:
-        for n, fn in saved.items():
-            setattr(nn.init, n, fn)
 
 
 class Worker:
@@ -189,13 +173,7 @@ class Worker:
 
     # ------------------------------------------------------------------ loading
     def _load_model(self, source, args: EngineArgs, device_map: DeviceMap | str) -> nn.Module:
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            with torch.device("meta"), _no_init():
-                model = build_model(source.config)
-        finally:
-            torch.set_default_dtype(previous)
+        model = build_empty_model(source.config, self.dtype)
         keep_packed: set[str] = set()
         if self.quantization == "gguf":
             keep_packed = pack_gguf_modules(model, packed_tensor_types(source.path))
