@@ -20,6 +20,7 @@ from pagedllm.kernels.metadata import PagedAttentionInputMetadata, host_to_devic
 from pagedllm.layers.sampler import (
     SampledBatch, Sampler, SamplingRow, compute_prompt_logprobs, make_generator,
 )
+from pagedllm.layers.token_bitmask import apply_token_bitmask
 from pagedllm.models.device_map import DeviceMap
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.cuda_graphs import DecodeCUDAGraphs
@@ -305,8 +306,8 @@ class ModelRunner:
         (`num_steps > 1`, decode only: one sample per row, no row reading its own output)
         runs its steps back to back, each step's samples the next step's input ids without
         a trip to the host; all steps' samples come back in one transfer."""
-        if batch.token_bitmask is not None:
-            raise NotImplementedError("token_bitmask (structured output) is not applied yet")
+        if batch.token_bitmask is not None and batch.num_steps != 1:
+            raise ValueError("a token_bitmask (structured output) needs num_steps == 1")
         self.apply(batch)
         if not batch.seq_ids:
             return PendingStep(StepResult())
@@ -326,6 +327,9 @@ class ModelRunner:
             return PendingStep(result)
         rows = [row for _, row in b.sample_rows]
         num_prompt_rows = len(b.logits_indices) - len(rows)
+        if batch.token_bitmask is not None:  # structured output: refused tokens get -inf
+            apply_token_bitmask(logits[num_prompt_rows:], batch.token_bitmask,
+                                batch.token_bitmask_rows)
         steps = [self.sampler.sample(logits[num_prompt_rows:], rows)]
         for _ in range(1, batch.num_steps):
             b = b.next_decode_step(self.block_size)
