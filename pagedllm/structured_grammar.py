@@ -68,6 +68,26 @@ def compile_grammar(params: Any) -> str:
     return grammar
 
 
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples", "allOf"})
+
+
+def close_objects(schema: Any) -> Any:
+    """A copy of the schema where every object schema that lists `properties` and says
+    nothing of `additionalProperties` allows no others (OpenAI's strict mode). Every output
+    valid under the copy is valid under the original; a small model sampling under the
+    open schema tends to invent keys until max_tokens. `allOf` branches stay open (closing
+    one would refuse the other branches' properties)."""
+    if isinstance(schema, list):
+        return [close_objects(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (v if k in _DATA_KEYWORDS else close_objects(v)) for k, v in schema.items()}
+    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema \
+            and "patternProperties" not in schema and "unevaluatedProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
+
+
 def _schema(value: Any) -> dict:
     if isinstance(value, str):
         try:
@@ -78,7 +98,7 @@ def _schema(value: Any) -> dict:
         value = {} if value else {"not": {}}
     if not isinstance(value, dict):
         raise ValueError(f"invalid JSON schema: a schema is a JSON object, got {value!r}")
-    return value
+    return close_objects(value)
 
 
 def choice_lark(choices: Any) -> str:
