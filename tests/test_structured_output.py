@@ -221,3 +221,32 @@ def test_bitmask_masks_only_its_rows():
     whole = before.clone()
     apply_token_bitmask(whole, torch.full((3, 3), -1, dtype=torch.int32), [0, 1, 2])
     assert torch.equal(whole, before)
+
+
+def test_multi_step_and_async_scheduling_fall_back_to_single_steps(llm, monkeypatch):
+    """CUDA's engine order on the CPU: decode windows of 4 steps, launched ahead. While a
+    constrained sequence runs every step is a single, synchronous one (its mask needs the
+    last token); once it is gone the plain ones get their windows back."""
+    engine = llm.engine
+    monkeypatch.setattr(engine, "num_scheduler_steps", 4)
+    monkeypatch.setattr(engine, "async_scheduling", True)
+    windows = []
+    launch = engine._launch
+
+    def record(out):
+        windows.append((out.num_steps, bool(engine.structured)))
+        return launch(out)
+
+    monkeypatch.setattr(engine, "_launch", record)
+    prompts = [chat(llm, "Count to twenty."), chat(llm, "Give a code.")]
+    outs = llm.generate(prompts, [
+        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=1.0, max_tokens=12, seed=2,
+                       structured_outputs=StructuredOutputsParams(regex=r"[A-Z]{3}-\d{4}")),
+    ], use_tqdm=False)
+    assert re.fullmatch(r"[A-Z]{3}-\d{4}", outs[1].outputs[0].text)
+    assert len(outs[0].outputs[0].token_ids) == 40
+    assert all(steps == 1 for steps, constrained in windows if constrained)
+    assert any(steps == 4 for steps, constrained in windows if not constrained)
+    assert engine._in_flight is None
+    _no_leaks(llm)
