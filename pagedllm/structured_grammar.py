@@ -68,7 +68,9 @@ def compile_grammar(params: Any) -> str:
     return grammar
 
 
-_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples", "allOf"})
+# Left as they are: data, not schemas; allOf branches (see below); and the schemas whose
+# tightening would loosen the whole (`not`) or move which branch applies (`if`).
+_KEEP_AS_IS = frozenset({"enum", "const", "default", "examples", "allOf", "not", "if"})
 
 
 def close_objects(schema: Any) -> Any:
@@ -76,16 +78,25 @@ def close_objects(schema: Any) -> Any:
     nothing of `additionalProperties` allows no others (OpenAI's strict mode). Every output
     valid under the copy is valid under the original; a small model sampling under the
     open schema tends to invent keys until max_tokens. `allOf` branches stay open (closing
-    one would refuse the other branches' properties)."""
+    one would refuse the other branches' properties), and so do `not` and `if`."""
     if isinstance(schema, list):
         return [close_objects(item) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: (v if k in _DATA_KEYWORDS else close_objects(v)) for k, v in schema.items()}
-    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema \
-            and "patternProperties" not in schema and "unevaluatedProperties" not in schema:
+    out = {k: (v if k in _KEEP_AS_IS else close_objects(v)) for k, v in schema.items()}
+    properties = schema.get("properties")
+    required = schema.get("required")
+    if (isinstance(properties, dict) and not _OPEN_BY.intersection(schema)
+            and (not isinstance(required, list) or set(required) <= set(properties))):
         out["additionalProperties"] = False
     return out
+
+
+# An object schema with one of these keeps its other keys open: they say how (or they may
+# name properties that `properties` does not list, which closing would make unsatisfiable).
+_OPEN_BY = frozenset({"additionalProperties", "patternProperties", "unevaluatedProperties",
+                      "allOf", "anyOf", "oneOf", "$ref", "if", "dependentSchemas",
+                      "dependentRequired"})
 
 
 def _schema(value: Any) -> dict:

@@ -284,3 +284,26 @@ def test_worker_applies_a_pickled_bitmask_to_its_rows_only(tiny):
     masked = run(mask)
     assert masked[1] in allowed
     assert masked[0] == free[0] and masked[2] == free[2]
+
+
+def test_closing_object_schemas_only_narrows_them():
+    from pagedllm.structured_grammar import close_objects
+
+    schema = {"type": "object", "properties": {
+        "a": {"type": "object", "properties": {"b": {"type": "integer"}}},
+        "c": {"type": "array", "items": {"type": "object", "properties": {"d": {}}}},
+        "e": {"type": "object", "properties": {"f": {}}, "additionalProperties": True},
+        "g": {"type": "object", "properties": {"h": {}}, "required": ["other"]},
+        "i": {"type": "object", "properties": {"j": {}}, "allOf": [{"required": ["k"]}]},
+        "l": {"not": {"type": "object", "properties": {"m": {}}}},
+        "n": {"enum": [{"properties": {}}]},
+    }}
+    closed = close_objects(schema)
+    props = closed["properties"]
+    assert closed["additionalProperties"] is False
+    assert props["a"]["additionalProperties"] is False
+    assert props["c"]["items"]["additionalProperties"] is False
+    assert props["e"]["additionalProperties"] is True
+    for kept in ("g", "i", "l", "n"):
+        assert props[kept] == schema["properties"][kept]
+    assert "additionalProperties" not in schema  # a copy
