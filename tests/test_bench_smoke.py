@@ -169,6 +169,7 @@ def test_structured_workload_runs_shrunk_with_a_saved_tokenizer(tmp_path, capsys
     argv = ["structured", "--model", "smollm2-135m", "--load-format", "dummy",
             "--tokenizer", str(tmp_path / "tok"), "--batch-sizes", "1,2",
             "--constrained-fraction", "0.5", "--max-tokens", "4", "--max-input-len", "16",
+            "--repeats", "1",
             "--kv-cache-memory", "5e7", "--out", str(out)]
     assert workloads.main(argv) == 0
     data = json.loads(out.read_text())
@@ -177,4 +178,5 @@ def test_structured_workload_runs_shrunk_with_a_saved_tokenizer(tmp_path, capsys
                      "batch 2: unconstrained", "batch 2: 1/2 constrained"]
     assert all(r["output_tokens"] == 4 * r["batch"] for r in data["runs"])  # to max_tokens
     assert "batch 2: throughput ratio (constrained / unconstrained)" in data["summary"]
+    assert data["summary"]["batch 2: host mask fill + matcher advance per constrained token (us)"] > 0
     assert "us/token" in capsys.readouterr().out

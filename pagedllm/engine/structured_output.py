@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -60,6 +61,8 @@ class StructuredOutputManager:
         self._ll: Any = None
         self._executor: Any = None
         self.matchers: dict[int, Any] = {}
+        # Host seconds spent filling masks and advancing matchers (`bench structured`).
+        self.host_seconds = 0.0
 
     @property
     def ll(self) -> Any:
@@ -103,7 +106,10 @@ class StructuredOutputManager:
         matcher = self.matchers.get(seq_id)
         if matcher is None:
             return False
-        if not matcher.consume_token(token_id):
+        start = time.perf_counter()
+        ok = matcher.consume_token(token_id)
+        self.host_seconds += time.perf_counter() - start
+        if not ok:
             logger.warning("sequence %d: token %d is outside its grammar (%s); stopping it",
                            seq_id, token_id, matcher.get_error())
             return True
@@ -116,6 +122,7 @@ class StructuredOutputManager:
     def fill_bitmask(self, batch: "StepBatch") -> None:
         """Set `batch.token_bitmask` (one row per constrained sampled row) and
         `batch.token_bitmask_rows` (their indices among the batch's sampled rows)."""
+        start = time.perf_counter()
         matchers = self.matchers
         rows: list[int] = []
         which: list[Any] = []
@@ -129,6 +136,7 @@ class StructuredOutputManager:
                 which.append(matcher)
             sampled += 1
         if not rows:
+            self.host_seconds += time.perf_counter() - start
             return
         mask = torch.empty(len(rows), self.words, dtype=torch.int32)
         if len(which) == 1:
@@ -143,3 +151,4 @@ class StructuredOutputManager:
                 len(which))
         batch.token_bitmask = mask
         batch.token_bitmask_rows = rows
+        self.host_seconds += time.perf_counter() - start
