@@ -11,11 +11,12 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from pagedllm.entrypoints.llm import LLM
     from pagedllm.outputs import CompletionOutput, RequestOutput
-    from pagedllm.sampling_params import SamplingParams
+    from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 _EXPORTS = {
     "LLM": "pagedllm.entrypoints.llm",
     "SamplingParams": "pagedllm.sampling_params",
+    "StructuredOutputsParams": "pagedllm.sampling_params",
     "RequestOutput": "pagedllm.outputs",
     "CompletionOutput": "pagedllm.outputs",
 }

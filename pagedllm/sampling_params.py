@@ -4,7 +4,7 @@ from __future__ import annotations
 import copy
 import enum
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 # Below this temperature a request is greedy (argmax): dividing by it would overflow.
@@ -12,6 +12,31 @@ GREEDY_TEMPERATURE = 1e-5
 # Most top alternatives a request may ask for, per generated or prompt token.
 MAX_LOGPROBS = 20
 LOGIT_BIAS_LIMIT = 100.0
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a grammar (vLLM's names); exactly one of them:
+
+    json: a JSON schema (dict or JSON string); regex: a regular expression the whole output
+    matches; choice: the output is one of these strings; grammar: a Lark grammar (llguidance's
+    dialect; a GBNF grammar, recognised by `::=`, is converted); json_object: any JSON object.
+    Checked at construction: a schema, regex or grammar that cannot compile is a ValueError
+    naming the problem.
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    # The llguidance grammar the fields compile to (computed, not an argument).
+    compiled: str = field(default="", init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        from pagedllm.structured_grammar import compile_grammar  # imports llguidance
+
+        self.compiled = compile_grammar(self)
 
 
 class SamplingType(enum.IntEnum):
@@ -43,6 +68,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         _check_int("n", self.n)
@@ -100,6 +126,10 @@ class SamplingParams:
                 if not 0 <= value <= MAX_LOGPROBS:
                     raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
         self.logit_bias = _normalise_logit_bias(self.logit_bias)
+        if self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams, "
+                             f"got {self.structured_outputs!r}")
 
     @property
     def sampling_type(self) -> SamplingType:

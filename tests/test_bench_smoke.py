@@ -16,7 +16,8 @@ GPU_WORKLOADS = ["nano", "decode-8b", "throughput-8b", "prefix-8b"]
 
 
 def test_workload_list():
-    assert list(workloads.WORKLOADS) == ["cpu", *GPU_WORKLOADS, "scheduler", "spec"]
+    assert list(workloads.WORKLOADS) == ["cpu", *GPU_WORKLOADS, "scheduler", "spec",
+                                        "structured"]
     assert set(workloads.RUNNERS) == set(workloads.WORKLOADS)
     assert [w for w in workloads.WORKLOADS.values() if w.needs_cuda] == [
         workloads.WORKLOADS[n] for n in GPU_WORKLOADS
@@ -177,3 +178,27 @@ def test_spec_workload_runs_on_a_tiny_model(tmp_path, capsys):
     assert summary["ngram_identical_outputs"] == summary["draft_model_identical_outputs"] == "2/2"
     assert summary["draft_model_acceptance_rate"] == 1.0
     assert "accepted" in capsys.readouterr().out
+
+
+def test_structured_workload_runs_shrunk_with_a_saved_tokenizer(tmp_path, capsys):
+    # What the GPU step does: a random-weight model, the default model's tokenizer saved
+    # to a directory (README: structured output).
+    from pagedllm.loader import default_model_path
+    from pagedllm.loader.tokenizer import load_tokenizer
+
+    load_tokenizer(str(default_model_path())).save_pretrained(tmp_path / "tok")
+    out = tmp_path / "structured.json"
+    argv = ["structured", "--model", "smollm2-135m", "--load-format", "dummy",
+            "--tokenizer", str(tmp_path / "tok"), "--batch-sizes", "1,2",
+            "--constrained-fraction", "0.5", "--max-tokens", "4", "--max-input-len", "16",
+            "--repeats", "1",
+            "--kv-cache-memory", "5e7", "--out", str(out)]
+    assert workloads.main(argv) == 0
+    data = json.loads(out.read_text())
+    names = [r["name"] for r in data["runs"]]
+    assert names == ["batch 1: unconstrained", "batch 1: 1/1 constrained",
+                     "batch 2: unconstrained", "batch 2: 1/2 constrained"]
+    assert all(r["output_tokens"] == 4 * r["batch"] for r in data["runs"])  # to max_tokens
+    assert "batch 2: throughput ratio (constrained / unconstrained)" in data["summary"]
+    assert data["summary"]["batch 2: host mask fill + matcher advance per constrained token (us)"] > 0
+    assert "us/token" in capsys.readouterr().out

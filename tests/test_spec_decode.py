@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 import torch
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM, SamplingParams, StructuredOutputsParams
 from pagedllm.config import SpeculativeConfig
 from pagedllm.engine.ngram_proposer import propose_ngram
 from pagedllm.engine_args import EngineArgs
@@ -374,8 +375,15 @@ def test_stop_string_mid_window_on_the_default_model(default_llm):
     assert len(words) > 8, ref
     stop = words[len(words) // 2]
     llm = LLM(dtype="float32", kv_cache_memory=64 << 20, speculative_config=ngram())
-    out = llm.chat([prompt, prompt], [greedy, SamplingParams(temperature=0.0, max_tokens=24,
-                                                           stop=[stop])], use_tqdm=False)
+    # A constrained request in the same batch is not speculated (its mask covers one
+    # position) and still follows its grammar.
+    pattern = r"(one|two|three)( (one|two|three)){2}"
+    constrained = SamplingParams(temperature=0.0, max_tokens=24,
+                                 structured_outputs=StructuredOutputsParams(regex=pattern))
+    out = llm.chat([prompt, prompt, prompt],
+                   [greedy, SamplingParams(temperature=0.0, max_tokens=24, stop=[stop]),
+                    constrained], use_tqdm=False)
+    assert re.fullmatch(pattern, out[2].outputs[0].text), out[2].outputs[0].text
     assert out[0].outputs[0].text == ref
     plain_stop = default_llm.chat(prompt, SamplingParams(temperature=0.0, max_tokens=24,
                                                          stop=[stop]), use_tqdm=False)

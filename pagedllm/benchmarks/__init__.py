@@ -12,6 +12,7 @@ WORKLOAD_HELP = {
     "prefix-8b": "requests sharing a 2,000-token prefix: prefix caching on vs off",
     "scheduler": "scheduler + block manager time per decode step, no model",
     "spec": "speculative decoding (n-gram, draft model) vs plain decoding: tok/s, acceptance",
+    "structured": "structured output: per-token cost of grammar masks at batch 1 and 32",
     "serve": "concurrent streaming clients against the OpenAI-compatible server",
     "load": "LLM(), `pagedllm --help` and `generate` in fresh processes vs transformers' load",
 }

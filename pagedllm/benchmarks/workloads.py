@@ -7,6 +7,7 @@
     prefix-8b      256 requests sharing a 2,000-token prefix, prefix caching on vs off
     scheduler      scheduler + block manager time per step with 256 running sequences
     spec           speculative decoding (n-gram, draft model) vs plain decoding, same prompts
+    structured     structured output: masking's cost per token, constrained vs unconstrained
 
 Each prints a table (last) and writes JSON to --out; --plot adds a PNG when matplotlib is
 importable. Only generation is timed, never loading; every engine warms up first. The GPU
@@ -96,6 +97,8 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in [
     Workload("spec", "speculative decoding vs plain decoding on prompts that repeat or "
              "lightly edit a passage: tokens/s, acceptance, identical text", False, 4,
              (256, 256), (128, 128)),
+    Workload("structured", "structured output: per-token cost of the grammar masks, "
+             "constrained vs unconstrained batches", False, 32, (16, 64), (64, 64)),
 ]}
 
 
@@ -186,6 +189,22 @@ def build_parser(workload: Workload) -> argparse.ArgumentParser:
                        "request alone)")
         p.add_argument("--disable-by-batch-size", type=int, default=None,
                        help="no speculation in a step with more running sequences")
+    if w.name == "structured":
+        p.add_argument("--batch-sizes", default="1,32",
+                       help="comma list of batch sizes, each run constrained and not "
+                       "(default 1,32); --num-requests is unused")
+        p.add_argument("--constrained-fraction", type=float, default=1.0,
+                       help="share of each batch's requests that are constrained (default 1)")
+        p.add_argument("--constraint", choices=["text", "json"], default="text",
+                       help="text: a regex of free text that never ends (most of the "
+                       "vocabulary allowed every step: masks' costly case; outputs run to "
+                       "--max-tokens); json: a nested JSON schema (outputs end with the JSON)")
+        p.add_argument("--tokenizer", default=None,
+                       help="tokenizer directory (a random-weight model has none of its own)")
+        p.add_argument("--temperature", type=float, default=1.0)
+        p.add_argument("--repeats", type=int, default=2,
+                       help="runs of each kind per batch size, alternating which goes first; "
+                       "the median time counts (default 2)")
     return p
 
 
@@ -750,10 +769,114 @@ def _default_model() -> str:
     return default_model_path()
 
 
+STRUCTURED_TEXT = r"[A-Za-z0-9 ,.;:!?'()-]*"
+STRUCTURED_JSON = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 40},
+        "rating": {"type": "integer", "minimum": 1, "maximum": 5},
+        "genre": {"enum": ["fiction", "science", "history", "poetry"]},
+        "authors": {"type": "array", "items": {
+            "type": "object",
+            "properties": {"name": {"type": "string", "maxLength": 30},
+                           "born": {"type": "integer", "minimum": 1000, "maximum": 2025}},
+            "required": ["name", "born"]}},
+        "summary": {"type": "string"},
+    },
+    "required": ["title", "rating", "genre", "authors", "summary"],
+}
+
+
+def bench_structured(args: argparse.Namespace) -> Report:
+    """Per batch size: the same prompts unconstrained (ignore_eos, --max-tokens each) and
+    with --constrained-fraction of them under a grammar. With --constraint text the
+    constrained requests also run to --max-tokens (min_tokens keeps EOS out; the regex
+    never ends), so both runs decode the same number of tokens and the difference is the
+    masks' cost: filling them on the host (llguidance), applying them on the device, and
+    the one-step-at-a-time scheduling constrained batches need."""
+    from pagedllm.sampling_params import StructuredOutputsParams
+
+    try:
+        batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    except ValueError:
+        raise UsageError(f"--batch-sizes is a comma list of integers, got {args.batch_sizes!r}")
+    if any(b < 1 for b in batch_sizes):
+        raise UsageError(f"--batch-sizes must be at least 1 each, got {args.batch_sizes!r}")
+    if not 0 < args.constrained_fraction <= 1:
+        raise UsageError("--constrained-fraction must be in (0, 1], got "
+                         f"{args.constrained_fraction}")
+    length = args.output_len[1]
+    # No prefix caching: both runs of a batch read the same prompts, and the second would
+    # find them cached.
+    overrides: dict[str, Any] = {"enable_prefix_caching": False}
+    if args.tokenizer:
+        overrides["tokenizer"] = args.tokenizer
+    llm = make_llm(args, **overrides)
+    tokenizer = llm.get_tokenizer()
+    if args.constraint == "text":
+        constraint = StructuredOutputsParams(regex=STRUCTURED_TEXT)
+    else:
+        constraint = StructuredOutputsParams(json=STRUCTURED_JSON)
+    plain = SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=length)
+    constrained = SamplingParams(temperature=args.temperature, max_tokens=length,
+                                 min_tokens=length if args.constraint == "text" else 0,
+                                 structured_outputs=constraint)
+    warm_up(llm)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, structured_outputs=constraint),
+                 use_tqdm=False)  # llguidance's tokenizer is built once, untimed
+    rng = random.Random(args.seed)
+    runs: list[RunResult | dict] = []
+    summary: dict[str, Any] = {"constraint": args.constraint,
+                               "constrained_fraction": args.constrained_fraction}
+    for batch in batch_sizes:
+        if args.model is None and args.load_format != "dummy":
+            prompts = text_prompts(tokenizer, rng, batch, args.input_len)
+        else:
+            prompts = random_prompts(rng, batch, args.input_len)
+        k = max(1, round(batch * args.constrained_fraction))
+        llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)  # this shape once
+        kinds = [(f"batch {batch}: unconstrained", [plain] * batch),
+                 (f"batch {batch}: {k}/{batch} constrained",
+                  [constrained] * k + [plain] * (batch - k))]
+        times: list[list[float]] = [[], []]
+        structured = llm.engine.structured
+        host_before = structured.host_seconds
+        for repeat in range(args.repeats):  # alternate the order: the host's load drifts
+            for i in ((0, 1) if repeat % 2 == 0 else (1, 0)):
+                result, outs_i = timed_generate(llm, kinds[i][0], prompts, kinds[i][1])
+                times[i].append(result.elapsed_s)
+                if i == 0:
+                    base = result
+                else:
+                    mixed, outs = result, outs_i
+        base.elapsed_s, mixed.elapsed_s = (statistics.median(t) for t in times)
+        for r in (base, mixed):
+            r.extra["batch"] = batch
+            r.extra["us_per_token"] = 1e6 * r.elapsed_s / max(r.output_tokens, 1)
+        mixed.extra["constrained"] = k
+        runs += [base, mixed]
+        summary[f"batch {batch}: throughput ratio (constrained / unconstrained)"] = \
+            _ratio(mixed, base)
+        constrained_tokens = max(sum(len(o.outputs[0].token_ids) for o in outs[:k]), 1)
+        summary[f"batch {batch}: time difference per constrained token (us)"] = (
+            (mixed.elapsed_s - base.elapsed_s * mixed.output_tokens / max(base.output_tokens, 1))
+            * 1e6 / constrained_tokens)
+        summary[f"batch {batch}: host mask fill + matcher advance per constrained token (us)"] = (
+            (structured.host_seconds - host_before) * 1e6 / (constrained_tokens * args.repeats))
+    llm.engine.shutdown()
+    del llm
+    free_memory()
+    columns = [("name", "run", "{}"), ("output_tokens", "out tokens", "{}"),
+               ("elapsed_s", "seconds", "{:.2f}"), ("output_tokens_per_s", "tok/s", "{:.1f}"),
+               ("us_per_token", "us/token", "{:.0f}")]
+    return Report("structured", WORKLOADS["structured"].description, runs, summary, columns)
+
+
 RUNNERS: dict[str, Callable[[argparse.Namespace], Report]] = {
     "cpu": bench_cpu, "nano": bench_nano, "decode-8b": bench_decode,
     "throughput-8b": bench_throughput, "prefix-8b": bench_prefix, "scheduler": bench_scheduler,
     "spec": bench_spec,
+    "structured": bench_structured,
 }
 
 

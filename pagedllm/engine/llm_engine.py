@@ -19,6 +19,7 @@ from pagedllm.engine.detokenizer import Detokenizer, find_stop_string
 from pagedllm.engine.ngram_proposer import propose_ngram
 from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
 from pagedllm.engine.sequence import Logprob, Sequence, SequenceGroup, SequenceStatus
+from pagedllm.engine.structured_output import StructuredOutputManager
 from pagedllm.layers.sampler import SampleResult
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -116,6 +117,9 @@ class LLMEngine:
         # steps where speculation is off (above disable_by_batch_size running sequences).
         self.speculative_config = args.speculative_config
         self.spec_counts = [0, 0, 0]  # draft tokens, accepted tokens, verified rows
+        # Grammar matchers of requests with structured_outputs (engine/structured_output.py).
+        self.structured = StructuredOutputManager(
+            self.tokenizer, self.worker.eos_token_ids, self.model_config.vocab_size)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -140,6 +144,8 @@ class LLMEngine:
         seq = Sequence(next(self._seq_ids), ids, self.block_size)
         self.detokenizer.start(seq)
         group = SequenceGroup(request_id, [seq], params, prompt_text, arrival_time)
+        if params.structured_outputs is not None:
+            self.structured.start(seq.seq_id, group)
         self.requests[request_id] = group
         self.scheduler.add_seq_group(group)
 
@@ -253,7 +259,9 @@ class LLMEngine:
         seqs = [(scheduled.seq_group, seq) for scheduled in out.scheduled_seq_groups
                 if scheduled.token_chunk_size == 1 and scheduled.do_sample
                 for seq in scheduled.seq_group.seqs_dict.values()
-                if seq.status is RUNNING and seq.output_token_ids]
+                if seq.status is RUNNING and seq.output_token_ids
+                # a grammar's mask covers one position: constrained rows are not speculated
+                and scheduled.seq_group.sampling_params.structured_outputs is None]
         for group, seq in seqs:
             length = seq.get_len()
             k = min(spec.num_speculative_tokens,
@@ -270,11 +278,15 @@ class LLMEngine:
                 out.num_draft_tokens[seq.seq_id] = k
 
     def _launch(self, out: SchedulerOutput) -> _InFlight:
-        return _InFlight(out, self.worker.launch(self.batch_builder.build(out)))
+        batch = self.batch_builder.build(out)
+        if self.structured:
+            self.structured.fill_bitmask(batch)
+        return _InFlight(out, self.worker.launch(batch))
 
     def _forget(self, group: SequenceGroup) -> None:
         self.requests.pop(group.request_id, None)
         self.batch_builder.free(group.seqs_dict)
+        self.structured.free(group.seqs_dict)
 
     def _update(self, out: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         """The one place a step's results land, in one order for single- and multi-step:
@@ -343,6 +355,7 @@ class LLMEngine:
             child = parent.fork(next(self._seq_ids))
             self.scheduler.fork_seq(parent, child)
             self.batch_builder.fork(parent, child, None if seed is None else seed + i)
+            self.structured.fork(parent.seq_id, child.seq_id)
             self._append(child, sample, group)
 
     @staticmethod
@@ -364,11 +377,15 @@ class LLMEngine:
         if self.stream_outputs or params.stop:
             new_text = self.detokenizer.decode_new(seq, params.skip_special_tokens)
         self._check_stop(seq, params, len(new_text))
+        if params.structured_outputs is not None and self.structured.accept(
+                seq.seq_id, sample.token_id):
+            seq.status = SequenceStatus.FINISHED_STOPPED  # the grammar is complete
         if seq.is_finished():
             if not (self.stream_outputs or params.stop):
                 seq.output_text = self.detokenizer.decode_all(seq, params.skip_special_tokens)
             self.scheduler.free_seq(seq)
             self.batch_builder.free((seq.seq_id,))
+            self.structured.free((seq.seq_id,))
 
     def _decode_one(self, token_id: int) -> str | None:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None

@@ -275,6 +275,7 @@ class Scheduler:
         decodes one step at a time."""
         p = group.sampling_params
         return (group.max_num_samples != 1 or p.has_penalties
+                or p.structured_outputs is not None  # its next mask needs this token
                 or seq.get_output_len() < p.min_tokens)
 
     def _decode_window_size(self, max_num_steps: int) -> int:

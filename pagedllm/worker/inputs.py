@@ -66,7 +66,10 @@ class StepBatch:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst)
     num_steps: int = 1  # >1: a decode-only batch run that many times back to back
-    # Reserved for structured output: packed int32 [sampled rows, ceil(vocab / 32)].
+    # Structured output: packed int32 [len(token_bitmask_rows), ceil(vocab / 32)] host
+    # tensor, bit t % 32 of word t // 32 set = token t allowed (ids past the mask: refused);
+    # token_bitmask_rows: the indices, among this batch's sampled rows, of the rows it
+    # constrains (the others are left alone). Only with num_steps == 1.
     token_bitmask: Any = None
     # Speculative decoding (a decode row only; its num_scheduled_tokens counts them too):
     # seq_id -> proposed tokens after the row's last token (n-gram, proposed by the engine),
@@ -75,6 +78,7 @@ class StepBatch:
     # accepted prefix plus one token of its own (StepResult.num_spec_tokens).
     spec_token_ids: dict[int, list[int]] = field(default_factory=dict)
     num_draft_tokens: dict[int, int] = field(default_factory=dict)
+    token_bitmask_rows: list[int] = field(default_factory=list)
 
     def add_row(self, seq_id: int, new_token_ids: list[int], num_computed_tokens: int,
                 num_scheduled_tokens: int, do_sample: bool) -> None:

@@ -21,6 +21,7 @@ from pagedllm.layers.sampler import (
     SampledBatch, Sampler, SamplingRow, compute_prompt_logprobs, make_generator,
 )
 from pagedllm.layers.rejection_sampler import SpecVerifier
+from pagedllm.layers.token_bitmask import apply_token_bitmask
 from pagedllm.models.device_map import DeviceMap
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.cuda_graphs import DecodeCUDAGraphs
@@ -324,8 +325,8 @@ class ModelRunner:
         (`num_steps > 1`, decode only: one sample per row, no row reading its own output)
         runs its steps back to back, each step's samples the next step's input ids without
         a trip to the host; all steps' samples come back in one transfer."""
-        if batch.token_bitmask is not None:
-            raise NotImplementedError("token_bitmask (structured output) is not applied yet")
+        if batch.token_bitmask is not None and batch.num_steps != 1:
+            raise ValueError("a token_bitmask (structured output) needs num_steps == 1")
         self.apply(batch)
         spec, draft_probs = batch.spec_token_ids, {}
         if self.drafter is not None:
@@ -354,6 +355,9 @@ class ModelRunner:
             return PendingStep(result)
         rows = [row for _, row in b.sample_rows]
         num_prompt_rows = len(b.logits_indices) - len(rows)
+        if batch.token_bitmask is not None:  # structured output: refused tokens get -inf
+            apply_token_bitmask(logits[num_prompt_rows:], batch.token_bitmask,
+                                batch.token_bitmask_rows)
         steps = [self.sampler.sample(logits[num_prompt_rows:], rows)]
         for _ in range(1, batch.num_steps):
             b = b.next_decode_step(self.block_size)
@@ -377,6 +381,9 @@ class ModelRunner:
         num_spec = sum(len(p) + 1 for _, _, p in b.spec_rows)
         first_spec = len(b.logits_indices) - num_spec
         parts, num_top = [], []
+        if batch.token_bitmask is not None:
+            apply_token_bitmask(logits[first_spec - len(rows): first_spec], batch.token_bitmask,
+                                _plain_rows(batch, {seq_id for seq_id, _, _ in b.spec_rows}))
         if rows:
             sampled = self.sampler.sample(logits[first_spec - len(rows): first_spec], rows)
             parts.append(sampled.packed)
@@ -428,3 +435,13 @@ def _stack_packed(steps: list[SampledBatch]) -> torch.Tensor:
     if len(steps) == 1:
         return steps[0].packed[None]
     return torch.stack([s.packed for s in steps])
+
+
+def _plain_rows(batch: StepBatch, spec_seq_ids: set[int]) -> list[int]:
+    """The bitmask's rows (indices among the batch's sampled rows) as indices among the
+    sampled rows that are not speculative: a speculative step samples those first."""
+    sampled = [s for s, do in zip(batch.seq_ids, batch.do_sample) if do]
+    plain = {s: i for i, s in enumerate(s for s in sampled if s not in spec_seq_ids)}
+    if any(sampled[r] in spec_seq_ids for r in batch.token_bitmask_rows):
+        raise ValueError("a constrained row (token_bitmask) cannot be speculative")
+    return [plain[sampled[r]] for r in batch.token_bitmask_rows]

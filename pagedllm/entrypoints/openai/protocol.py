@@ -53,7 +53,9 @@ class RequestModel(OpenAIBaseModel):
     def _warn_unknown_fields(cls, data: Any, handler: ModelWrapValidatorHandler) -> Any:
         result = handler(data)
         if isinstance(data, dict) and len(_warned_fields) < MAX_WARNED_FIELDS:
-            new = sorted(name for name in data.keys() - cls.model_fields.keys()
+            known = cls.model_fields.keys() | {
+                f.alias for f in cls.model_fields.values() if f.alias}
+            new = sorted(name for name in data.keys() - known
                          if (cls.__name__, name) not in _warned_fields)
             if new:
                 room = MAX_WARNED_FIELDS - len(_warned_fields)
@@ -135,6 +137,38 @@ class UsageInfo(OpenAIBaseModel):
     total_tokens: int = 0
 
 
+class JsonSchemaFormat(RequestModel):
+    name: str = "response"
+    description: str | None = None
+    # "schema" shadows a BaseModel attribute in pydantic: a field of another name, aliased.
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False,
+                              populate_by_name=True)
+
+
+class ResponseFormat(RequestModel):
+    """OpenAI's response_format: "text" (no constraint), "json_object" (any JSON object),
+    "json_schema" (JSON valid against json_schema.schema)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(RequestModel):
+    """vLLM's `structured_outputs` extra: exactly one of these (as StructuredOutputsParams)."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False,
+                              populate_by_name=True)
+
+
 class SamplingFields(RequestBody):
     """Sampling parameters both endpoints accept; SamplingParams checks them again."""
 
@@ -159,6 +193,13 @@ class SamplingFields(RequestBody):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # Structured output: OpenAI's response_format, or vLLM's extras (one constraint in all).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 # ---- /v1/completions ----
@@ -270,8 +311,33 @@ ChatMessage = Annotated[
 MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
+class FunctionDefinition(RequestModel):
+    name: Annotated[str, StringConstraints(min_length=1, max_length=64)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
+    strict: bool | None = None
+
+
+class ChatTool(RequestModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestModel):
+    name: str
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ChatTool] | None = None
+    # Default: "auto" with tools, "none" without.
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     # Neither set: the server's default (the rest of the context, as vLLM's, or
     # `serve --max-tokens-default`).
     max_tokens: int | None = Field(None, ge=1)
@@ -295,16 +361,31 @@ class ChoiceLogprobs(OpenAIBaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCallOut(OpenAIBaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(OpenAIBaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatResponseMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
+
+
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class ChatCompletionChoice(OpenAIBaseModel):
     index: int
     message: ChatResponseMessage
     logprobs: ChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
 
 
@@ -317,16 +398,29 @@ class ChatCompletionResponse(OpenAIBaseModel):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(OpenAIBaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIBaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionStreamChoice(OpenAIBaseModel):
     index: int
     delta: DeltaMessage
     logprobs: ChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
 
 

@@ -17,7 +17,12 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatMessage,
     ChatResponseMessage,
     ChoiceLogprobs,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCallOut,
+    NamedToolChoice,
+    ToolCallOut,
     DeveloperMessage,
     TextPart,
     TokenLogprob,
@@ -28,6 +33,16 @@ from pagedllm.entrypoints.openai.protocol import (
     random_id,
 )
 from pagedllm.entrypoints.openai.serving_completion import finish_reason
+from pagedllm.entrypoints.openai.tool_calls import (
+    ParsedCall,
+    ToolTextFilter,
+    call_grammar,
+    parse_tool_calls,
+    template_renders_tools,
+    tool_dicts,
+    with_tools_prompt,
+)
+from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.entrypoints.openai.serving_engine import (
     SSE_DONE,
     SSEResponse,
@@ -98,19 +113,77 @@ def knows_tools(chat_template: Any) -> bool:
     return isinstance(chat_template, str) and "tool_calls" in chat_template
 
 
+class ToolPlan:
+    """How a chat request uses its tools: tool_choice resolved, the functions the model may
+    call, and the grammar that enforces "required" / a named function."""
+
+    def __init__(self, request: ChatCompletionRequest) -> None:
+        tools = request.tools or []
+        choice = request.tool_choice
+        if choice is None:
+            choice = "auto" if tools else "none"
+        if choice != "none" and not tools:
+            raise OpenAIError("tool_choice needs tools", param="tool_choice")
+        self.tools = tool_dicts(tools) if choice != "none" else []
+        functions = [t["function"] for t in self.tools]
+        if isinstance(choice, NamedToolChoice):
+            functions = [f for f in functions if f["name"] == choice.function.name]
+            if not functions:
+                raise OpenAIError(f"tool_choice names the function {choice.function.name!r}, "
+                                  "which is not in tools", param="tool_choice")
+            choice = "named"
+        self.choice = choice
+        self.names = {f["name"] for f in functions}
+        self.parallel = request.parallel_tool_calls
+        self.structured: StructuredOutputsParams | None = None
+        if choice in ("required", "named"):
+            try:
+                self.structured = StructuredOutputsParams(
+                    grammar=call_grammar(functions, self.parallel))
+            except ValueError as exc:
+                raise OpenAIError(f"tools: {exc}", param="tools") from None
+
+    @property
+    def parses(self) -> bool:
+        return self.choice != "none"
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        if not self.parses:
+            return text, []
+        content, calls = parse_tool_calls(text, self.names)
+        if not self.parallel:
+            calls = calls[:1]
+        return content, calls
+
+
+def tool_finish_reason(o: Any, calls: list[ParsedCall]) -> str | None:
+    reason = finish_reason(o)
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
 class OpenAIServingChat(OpenAIServing):
     async def render_prompt(
-        self, messages: list[ChatMessage], add_generation_prompt: bool = True
+        self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """The conversation through the chat template, as token ids (the template already
         wrote the special tokens, so none are added), exactly as LLM.chat does. On the
-        tokenizer's thread; a text too long for the context is refused before tokenizing."""
+        tokenizer's thread; a text too long for the context is refused before tokenizing.
+        `tools`: rendered by the template when it reads them, else described in the system
+        message (tool_calls.TOOLS_SYSTEM_PROMPT)."""
         engine = self.engine.engine
         tokenizer = self.tokenizer.tokenizer
         template = getattr(tokenizer, "chat_template", None)
         dicts = message_dicts(messages, knows_tools(template))
+        template_tools = bool(tools) and template_renders_tools(template)
+        if tools and not template_tools:
+            dicts = with_tools_prompt(dicts, tools)
 
         def render() -> str:
+            if template_tools:
+                return tokenizer.apply_chat_template(
+                    dicts, tools=tools, tokenize=False,
+                    add_generation_prompt=add_generation_prompt)
             return engine.apply_chat_template(dicts, add_generation_prompt)
 
         try:
@@ -135,26 +208,33 @@ class OpenAIServingChat(OpenAIServing):
         server_default = max_tokens is None
         if server_default:  # None: the rest of the context, as vLLM
             max_tokens = self.max_tokens_default
+        plan = ToolPlan(request)
         params = self.sampling_params(
             request,
             max_tokens=max_tokens,
             logprobs=(request.top_logprobs or 0) if request.logprobs else None,
+            structured_outputs=plan.structured,
         )
-        prompt = await self.render_prompt(request.messages, request.add_generation_prompt)
+        prompt = await self.render_prompt(request.messages, request.add_generation_prompt,
+                                          plan.tools or None)
         request_id = random_id("chatcmpl")
         streams = await self.add_requests([prompt], params, request_id,
                                           server_default=server_default)
         if request.stream:
-            return SSEResponse(self._stream(request, request_id, streams), streams)
+            return SSEResponse(self._stream(request, request_id, streams, plan), streams)
         (out,) = await final_outputs(streams)
         choices = []
         for j, o in enumerate(out.outputs):
+            content, calls = plan.parse(o.text)
             choices.append(ChatCompletionChoice(
                 index=j,
-                message=ChatResponseMessage(content=o.text),
+                message=ChatResponseMessage(content=content, tool_calls=[
+                    ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name,
+                                                                  arguments=c.arguments))
+                    for c in calls]),
                 logprobs=self._logprobs(o.token_ids, o.logprobs or [], request.top_logprobs or 0)
                 if request.logprobs else None,
-                finish_reason=finish_reason(o),
+                finish_reason=tool_finish_reason(o, calls),
                 stop_reason=o.stop_reason,
             ))
         completion_tokens = sum(len(o.token_ids) for o in out.outputs)
@@ -168,13 +248,19 @@ class OpenAIServingChat(OpenAIServing):
         )
 
     async def _stream(
-        self, request: ChatCompletionRequest, request_id: str, streams: list[RequestStream]
+        self, request: ChatCompletionRequest, request_id: str, streams: list[RequestStream],
+        plan: ToolPlan,
     ) -> AsyncIterator[str]:
         created = now()
         (stream,) = streams
         sent_tokens = [0] * request.n
         done: set[int] = set()
         prompt_tokens = 0
+        # Tools: text that may be a call is held back and parsed when its choice ends.
+        filters = [ToolTextFilter() for _ in range(request.n)] if plan.parses else None
+        if filters and plan.structured is not None:  # the whole output is calls
+            for f in filters:
+                f.in_call = True
 
         def chunk(choices: list[ChatCompletionStreamChoice]) -> str:
             return sse(ChatCompletionStreamResponse(
@@ -205,6 +291,20 @@ class OpenAIServingChat(OpenAIServing):
                         )
                     sent_tokens[j] += len(delta_ids)
                     reason = finish_reason(o) if o.finished() else None
+                    if filters is not None:
+                        delta_text = filters[j].feed(delta_text)
+                        if o.finished():
+                            _, calls = plan.parse(filters[j].rest())
+                            if calls:
+                                reason = tool_finish_reason(o, calls)
+                                yield chunk([ChatCompletionStreamChoice(
+                                    index=j, delta=DeltaMessage(tool_calls=[
+                                        DeltaToolCall(index=k, id=c.id, type="function",
+                                                      function=DeltaFunctionCall(
+                                                          name=c.name, arguments=c.arguments))
+                                        for k, c in enumerate(calls)]))])
+                            else:
+                                delta_text += filters[j].rest()
                     if o.finished():
                         done.add(j)
                     yield chunk([ChatCompletionStreamChoice(

@@ -15,7 +15,7 @@ from pagedllm.engine.async_engine import AsyncLLMEngine, RequestStream
 from pagedllm.outputs import Logprob
 from pagedllm.entrypoints.openai.protocol import SamplingFields
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 T = TypeVar("T")
 
@@ -126,8 +126,11 @@ class OpenAIServing:
         max_tokens: int | None,
         logprobs: int | None,
         prompt_logprobs: int | None = None,
+        structured_outputs: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
-        """Build SamplingParams; a bad value becomes a 400 naming the field."""
+        """Build SamplingParams; a bad value becomes a 400 naming the field.
+        `structured_outputs`: the endpoint's own constraint (tool calls), which wins over the
+        request's response_format / structured_outputs / guided_* fields."""
         if request.stream and request.best_of is not None and request.best_of != request.n:
             raise OpenAIError("best_of must equal n when streaming", param="best_of")
         set_values = {
@@ -139,6 +142,8 @@ class OpenAIServing:
             "top_k": request.top_k,
             "min_p": request.min_p,
         }
+        if structured_outputs is None:
+            structured_outputs = structured_outputs_of(request)
         try:
             params = SamplingParams(
                 n=request.n,
@@ -154,6 +159,7 @@ class OpenAIServing:
                 prompt_logprobs=prompt_logprobs,
                 logit_bias=request.logit_bias,
                 skip_special_tokens=request.skip_special_tokens,
+                structured_outputs=structured_outputs,
                 **{k: v for k, v in set_values.items() if v is not None},
             )
             params.check_vocab(self.engine.engine.model_config.vocab_size)
@@ -195,6 +201,44 @@ class OpenAIServing:
                 stream.abort()
             raise
         return streams
+
+
+def structured_outputs_of(request: SamplingFields) -> StructuredOutputsParams | None:
+    """The request's output constraint: response_format (OpenAI), structured_outputs or
+    guided_json / guided_regex / guided_choice / guided_grammar (vLLM); at most one of them.
+    A schema, regex or grammar that does not compile is a 400 naming the field, before
+    anything is generated."""
+    given: list[tuple[str, dict[str, Any]]] = []
+    fmt = request.response_format
+    if fmt is not None and fmt.type != "text":
+        if fmt.type == "json_object":
+            given.append(("response_format", {"json_object": True}))
+        else:
+            if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+                raise OpenAIError('response_format of type "json_schema" needs '
+                                  'json_schema.schema', param="response_format")
+            given.append(("response_format", {"json": fmt.json_schema.json_schema}))
+    if request.structured_outputs is not None:
+        so = request.structured_outputs
+        fields = {"json": so.json_, "regex": so.regex, "choice": so.choice,
+                  "grammar": so.grammar, "json_object": so.json_object}
+        given.append(("structured_outputs", {k: v for k, v in fields.items() if v is not None}))
+    for name, key in (("guided_json", "json"), ("guided_regex", "regex"),
+                      ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+        value = getattr(request, name)
+        if value is not None:
+            given.append((name, {key: value}))
+    if not given:
+        return None
+    if len(given) > 1:
+        raise OpenAIError("give at most one of response_format, structured_outputs, guided_json, "
+                          "guided_regex, guided_choice, guided_grammar; got "
+                          + ", ".join(name for name, _ in given), param=given[1][0])
+    param, kwargs = given[0]
+    try:
+        return StructuredOutputsParams(**kwargs)
+    except ValueError as exc:
+        raise OpenAIError(f"{param}: {exc}", param=param) from None
 
 
 @dataclass

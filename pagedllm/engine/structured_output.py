@@ -1,0 +1,154 @@
+"""Structured output on the engine's side: one grammar matcher per constrained sequence.
+
+A request with `SamplingParams.structured_outputs` gets an llguidance `LLMatcher` per
+sequence (its grammar compiled when the params were made, sampling_params.py). Before each
+step that samples a constrained sequence the engine fills that row's allowed-token bitmask
+(packed int32, bit t of word t // 32 = token t allowed) into the StepBatch; the worker applies
+it to the logits before sampling. Each accepted token advances the matcher; a matcher that
+reaches its end state finishes the sequence.
+
+The matcher lives with the engine's Sequence, so preemption loses nothing: recompute keeps
+the output tokens the matcher has consumed, and swapping moves only KV. A fork (n/best_of)
+deep-copies its parent's matcher before either takes its own sample. Sequences with a
+matcher decode one step per schedule and never ahead of their samples (the scheduler's
+`_reads_own_output`): the next mask needs this step's token.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from pagedllm.engine.sequence import SequenceGroup
+    from pagedllm.worker.inputs import StepBatch
+
+logger = logging.getLogger(__name__)
+
+# llguidance's tokenizer is built from the HF tokenizer's vocabulary (about 0.5 s for
+# SmolLM2's): once per tokenizer object and EOS set.
+# Keyed by id(tokenizer); the entry keeps the tokenizer alive so the id stays its own.
+_LL_TOKENIZERS: dict[tuple[int, tuple[int, ...]], tuple[Any, Any]] = {}
+
+
+def ll_tokenizer(tokenizer: Any, eos_token_ids: list[int]) -> Any:
+    import llguidance.hf
+
+    key = (id(tokenizer), tuple(sorted(eos_token_ids)))
+    entry = _LL_TOKENIZERS.get(key)
+    if entry is None:
+        if tokenizer is None:
+            raise ValueError("structured output needs the model's tokenizer")
+        eos = sorted(eos_token_ids) or None
+        try:
+            ll = llguidance.hf.from_tokenizer(tokenizer, eos_token=eos)
+        except ValueError as e:
+            raise ValueError(f"structured output: {e}") from None
+        entry = _LL_TOKENIZERS[key] = (tokenizer, ll)
+    return entry[1]
+
+
+class StructuredOutputManager:
+    """The matchers of the engine's constrained sequences, by seq_id."""
+
+    def __init__(self, tokenizer: Any, eos_token_ids: list[int], vocab_size: int) -> None:
+        self._tokenizer = tokenizer
+        self._eos = list(eos_token_ids)
+        self.vocab_size = vocab_size
+        self._ll: Any = None
+        self._executor: Any = None
+        self.matchers: dict[int, Any] = {}
+        # Host seconds spent filling masks and advancing matchers (`bench structured`).
+        self.host_seconds = 0.0
+
+    @property
+    def ll(self) -> Any:
+        if self._ll is None:
+            self._ll = ll_tokenizer(self._tokenizer, self._eos)
+        return self._ll
+
+    @property
+    def words(self) -> int:
+        """int32 words per bitmask row (llguidance's vocabulary, which may be smaller than
+        the model's: the worker masks the model's extra ids)."""
+        return (self.ll.vocab_size + 31) // 32
+
+    def __bool__(self) -> bool:
+        return bool(self.matchers)
+
+    def start(self, seq_id: int, group: "SequenceGroup") -> None:
+        """A matcher for a new constrained sequence; ValueError when the grammar does not
+        compile against this tokenizer."""
+        import llguidance
+
+        grammar = group.sampling_params.structured_outputs.compiled
+        error = llguidance.LLMatcher.validate_grammar(grammar, self.ll)
+        if error:
+            raise ValueError(f"structured output: {error.strip()}")
+        matcher = llguidance.LLMatcher(self.ll, grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"structured output: {matcher.get_error()}")
+        self.matchers[seq_id] = matcher
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        matcher = self.matchers.get(parent_id)
+        if matcher is not None:
+            self.matchers[child_id] = matcher.deep_copy()
+
+    def accept(self, seq_id: int, token_id: int) -> bool:
+        """Advance the sequence's matcher by its new token; True when the grammar is done
+        (the sequence should finish). A token the grammar refuses (it cannot be sampled
+        under the mask; only a model vocabulary wider than the tokenizer's could) also ends
+        it, with a warning."""
+        matcher = self.matchers.get(seq_id)
+        if matcher is None:
+            return False
+        start = time.perf_counter()
+        ok = matcher.consume_token(token_id)
+        self.host_seconds += time.perf_counter() - start
+        if not ok:
+            logger.warning("sequence %d: token %d is outside its grammar (%s); stopping it",
+                           seq_id, token_id, matcher.get_error())
+            return True
+        return matcher.is_stopped()
+
+    def free(self, seq_ids: Any) -> None:
+        for seq_id in seq_ids:
+            self.matchers.pop(seq_id, None)
+
+    def fill_bitmask(self, batch: "StepBatch") -> None:
+        """Set `batch.token_bitmask` (one row per constrained sampled row) and
+        `batch.token_bitmask_rows` (their indices among the batch's sampled rows)."""
+        start = time.perf_counter()
+        matchers = self.matchers
+        rows: list[int] = []
+        which: list[Any] = []
+        sampled = 0
+        for seq_id, do_sample in zip(batch.seq_ids, batch.do_sample):
+            if not do_sample:
+                continue
+            matcher = matchers.get(seq_id)
+            if matcher is not None:
+                rows.append(sampled)
+                which.append(matcher)
+            sampled += 1
+        if not rows:
+            self.host_seconds += time.perf_counter() - start
+            return
+        mask = torch.empty(len(rows), self.words, dtype=torch.int32)
+        if len(which) == 1:
+            which[0].unsafe_compute_mask_ptr(mask.data_ptr(), mask.shape[1] * 4)
+        else:
+            if self._executor is None:
+                import llguidance
+
+                self._executor = llguidance.LLExecutor(max(1, min(8, os.cpu_count() or 1)))
+            self._executor.unsafe_compute_mask_ptr(
+                [(m, i) for i, m in enumerate(which)], mask.data_ptr(), mask.shape[1] * 4,
+                len(which))
+        batch.token_bitmask = mask
+        batch.token_bitmask_rows = rows
+        self.host_seconds += time.perf_counter() - start
