@@ -71,6 +71,7 @@ class StepBatch:
     # token_bitmask_rows: the indices, among this batch's sampled rows, of the rows it
     # constrains (the others are left alone). Only with num_steps == 1.
     token_bitmask: Any = None
+    token_bitmask_rows: list[int] = field(default_factory=list)
     # Speculative decoding (a decode row only; its num_scheduled_tokens counts them too):
     # seq_id -> proposed tokens after the row's last token (n-gram, proposed by the engine),
     # or seq_id -> how many tokens the worker's draft model proposes. Such a row's input is
@@ -78,7 +79,6 @@ class StepBatch:
     # accepted prefix plus one token of its own (StepResult.num_spec_tokens).
     spec_token_ids: dict[int, list[int]] = field(default_factory=dict)
     num_draft_tokens: dict[int, int] = field(default_factory=dict)
-    token_bitmask_rows: list[int] = field(default_factory=list)
 
     def add_row(self, seq_id: int, new_token_ids: list[int], num_computed_tokens: int,
                 num_scheduled_tokens: int, do_sample: bool) -> None:
