@@ -142,12 +142,12 @@ def worker_loop(args: EngineArgs) -> int:
     """A rank other than 0: build its Worker (joining the collectives of loading and
     profiling), then apply every step rank 0 broadcasts until it says stop. The exit code:
     0 after a stop, 1 after an error (rank 0 sees the closed connection)."""
-    worker = None
     try:
         worker = Worker(args)
         while True:
             batch = broadcast_object(None)
             if batch is STOP:
+                worker.shutdown()  # the graphs go before the group (see DriverWorker)
                 return 0
             worker.launch(batch).wait()
     except ValueError as exc:  # a bad option or model: rank 0 raises the same error
@@ -157,8 +157,6 @@ def worker_loop(args: EngineArgs) -> int:
         logger.exception("tensor parallel rank %d failed", ps.tp_rank())
         return 1
     finally:
-        if worker is not None:
-            worker.shutdown()
         ps.destroy_tensor_parallel()
 
 
@@ -206,14 +204,15 @@ class DriverWorker(Worker):
     def shutdown(self) -> None:
         """Stop the other ranks and leave the process group (also at exit). Every rank
         releases its graphs, then leaves the group at the same time: with NCCL, destroying
-        the group is collective."""
-        if hasattr(self, "runner"):
-            super().shutdown()
+        the group is collective. After a failure the graphs stay: waiting for the device
+        could wait forever on a collective whose peer is gone."""
         if self._stopped:
             _stop_processes(self.processes)
             ps.destroy_tensor_parallel()
             return
         self._stopped = True
+        if hasattr(self, "runner"):
+            super().shutdown()
         try:
             broadcast_object(STOP)
         except Exception:  # a rank already gone
