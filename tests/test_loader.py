@@ -20,8 +20,9 @@ from pagedllm.loader import (
     load_tokenizer,
     preset_names,
 )
+from pagedllm.loader.errors import ModelLoadError
 from pagedllm.loader.gguf_dequant import dequantize
-from pagedllm.loader.gguf_loader import unpermute_rotary_rows
+from pagedllm.loader.gguf_loader import open_gguf, unpermute_rotary_rows
 
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 TINY = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=96, vocab=128, layers=2)
@@ -156,7 +157,7 @@ def default_source() -> ModelSource:
 
 @pytest.fixture(scope="module")
 def default_reader() -> gguf.GGUFReader:
-    return gguf.GGUFReader(default_model_path())
+    return open_gguf(default_model_path())
 
 
 @pytest.fixture(scope="module")
@@ -284,6 +285,57 @@ def test_weights_with_a_progress_bar_are_the_same_weights(tmp_path, monkeypatch)
     assert [n for n, _ in with_bar] == [n for n, _ in plain]
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(with_bar, plain))
     assert "Loading weights: 100%" in shown.getvalue()
+
+
+def assert_same_reader(ours: gguf.GGUFReader, stock: gguf.GGUFReader) -> None:
+    assert list(ours.fields) == list(stock.fields)
+    for name, a in stock.fields.items():
+        b = ours.fields[name]
+        assert (b.offset, b.types, list(b.data), len(b.parts)) == \
+            (a.offset, a.types, list(a.data), len(a.parts)), name
+        for x, y in zip(a.parts, b.parts):
+            assert x.dtype == y.dtype and np.array_equal(x, y), name
+        assert b.contents() == a.contents(), name
+        if a.types[0] == gguf.GGUFValueType.ARRAY and len(a.data) > 2:
+            assert b.contents(1) == a.contents(1) and b.contents(slice(1, 3)) == a.contents(
+                slice(1, 3)), name
+    assert ours.data_offset == stock.data_offset
+    assert [(t.name, t.tensor_type, t.shape.tolist(), t.data_offset) for t in ours.tensors] == \
+        [(t.name, t.tensor_type, t.shape.tolist(), t.data_offset) for t in stock.tensors]
+    for a, b in zip(stock.tensors, ours.tensors):
+        assert np.array_equal(a.data, b.data)
+
+
+def test_fast_header_parse_builds_the_stock_readers_fields(tmp_path):
+    path = tmp_path / "fields.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    tokens = [f"tok{i}" for i in range(3000)] + ["", "é à ü", "<|im_end|>"]
+    w.add_token_list(tokens)
+    w.add_token_types([i % 5 for i in range(len(tokens))])
+    w.add_token_scores([i / 7 for i in range(len(tokens))])
+    w.add_token_merges(["a b", "ab c"])
+    w.add_array("test.nested", [[1, 2, 3], [4]])
+    w.add_array("test.empty", [])
+    w.add_array("test.bools", [True, False, True])
+    w.add_string("test.string", "hello")
+    w.add_uint32("test.u32", 7)
+    w.add_float64("test.f64", 2.5)
+    w.add_bool("test.bool", True)
+    w.add_tensor("token_embd.weight", np.arange(24, dtype=np.float32).reshape(3, 8))
+    w.add_tensor("output_norm.weight", np.ones(8, np.float16))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    assert_same_reader(open_gguf(str(path)), gguf.GGUFReader(str(path)))
+
+
+def test_fast_header_parse_rejects_a_string_array_cut_short(tmp_path):
+    path = tmp_path / "cut.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_token_list([f"token number {i}" for i in range(2000)])
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.close()
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelLoadError, match="truncated or corrupt GGUF file"):
+        open_gguf(str(path))
 
 
 def test_unpermute_inverts_llama_cpp_order():

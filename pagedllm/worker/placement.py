@@ -55,12 +55,18 @@ def place_model(model: nn.Module, device_map: DeviceMap) -> None:
     pick each layer's kernels for its device (layers/dispatch.py)."""
     for g in device_map.groups:
         for i in g.layers:
-            model.layers[i].to_empty(device=g.device)
-    model.embed_tokens.to_empty(device=device_map.input_device)
+            _to_empty(model.layers[i], g.device)
+    _to_empty(model.embed_tokens, device_map.input_device)
     for m in _head_modules(model):
-        m.to_empty(device=device_map.output_device)
+        _to_empty(m, device_map.output_device)
     model.device_map = device_map
     dispatch.select(model)  # each layer's kernels, for the device it now lives on
+
+
+def _to_empty(module: nn.Module, device: torch.device) -> None:
+    """nn.Module.to_empty with torch.empty: empty_like of a meta tensor runs torch's Python
+    reference, whose first call imports sympy (about 1 s of a 135M model's load)."""
+    module._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
 
 
 def check_weights_fit(weights: dict[torch.device, int], free: dict[torch.device, int]) -> None:
