@@ -223,11 +223,8 @@ def test_iter_weights_converts_dtype(default_source, default_weights):
 
 
 @pytest.mark.slow
-def test_default_weights_equal_transformers(default_source, default_weights):
-    folder, name = Path(default_source.path).parent, Path(default_source.path).name
-    ref = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=name, dtype=torch.float32
-    ).state_dict()
+def test_default_weights_equal_transformers(default_weights, hf_reference):
+    ref = dict(hf_reference[0].state_dict())
     assert torch.equal(ref.pop("lm_head.weight"), ref["model.embed_tokens.weight"])  # tied
     assert set(ref) == set(default_weights)
     unequal = [k for k in ref if not torch.equal(ref[k], default_weights[k])]

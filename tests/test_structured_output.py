@@ -53,7 +53,7 @@ def chat(llm, text: str) -> str:
 def llm():
     from pagedllm import LLM
 
-    engine = LLM(kv_cache_memory=64 << 20, max_num_batched_tokens=2048)
+    engine = LLM(kv_cache_memory=256 << 20, max_num_batched_tokens=2048)
     yield engine
     del engine
     gc.collect()
