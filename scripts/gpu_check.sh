@@ -21,15 +21,15 @@
 #                  share of a TP=2 decode step. With one GPU each runs one rank inside an
 #                  NCCL group instead (torchrun --nproc-per-node 1: the all-reduces run for
 #                  real, inside the CUDA graphs) and says TP=2 was skipped.
-#   spec-ngram spec-draft spec-batch64 spec-batch64-off
+#   spec-ngram spec-draft spec-batch8 spec-batch16 spec-batch32 spec-batch64 spec-batch64-off
 #                  speculative decoding (issue 15; not in the default list): `pagedllm bench
 #                  spec` on the Llama-3-8B preset, greedy, each against plain decoding in the
 #                  same run: batch 1 with the n-gram proposer on prompts that repeat a random
 #                  passage; batch 1 with draft = target (same dummy weights: every proposal
-#                  accepted, the mechanism's ceiling); 64 sequences at once with n-gram, and
-#                  the same with speculation off above 16 running sequences
-#                  (--disable-by-batch-size 16). Run them with
-#                  GPU_CHECK_STEPS=decode-8b,spec-ngram,spec-draft,spec-batch64,spec-batch64-off
+#                  accepted, the mechanism's ceiling); N sequences at once with n-gram and
+#                  speculation forced on (spec-batchN), and 64 with speculation off above 16
+#                  running sequences (--disable-by-batch-size 16). Run them with
+#                  GPU_CHECK_STEPS=decode-8b,spec-ngram,spec-draft,spec-batch8,spec-batch16,spec-batch32,spec-batch64,spec-batch64-off
 #   structured-nano
 #                  `pagedllm bench structured` at nano's shape (not in the default list):
 #                  Qwen3-0.6B random weights, bf16, batch 256, prompts 100-1024 tokens, 256
@@ -147,12 +147,15 @@ run_step fp8-accept 60 "$LOGS/fp8.log" $PY scripts/gpu_fp8_accept.py "$WORK"
 
 # Speculative decoding: each run also times plain decoding on the same prompts.
 SPEC="spec --device cuda --model llama-3-8b --load-format dummy --dtype bfloat16 --max-input-len 256"
-SPEC_STEPS="spec-ngram spec-draft spec-batch64 spec-batch64-off"
+SPEC_STEPS="spec-ngram spec-draft spec-batch8 spec-batch16 spec-batch32 spec-batch64 spec-batch64-off"
 for w in $SPEC_STEPS; do
     case $w in
     spec-ngram) extra=(--method ngram --num-requests 4 --max-tokens 256) ;;
     spec-draft) extra=(--method draft_model --num-requests 4 --max-tokens 256) ;;
-    spec-batch64) extra=(--method ngram --num-requests 64 --streams 64 --max-tokens 256) ;;
+    spec-batch8|spec-batch16|spec-batch32|spec-batch64)
+        n=${w#spec-batch}
+        extra=(--method ngram --num-requests "$n" --streams "$n" --max-tokens 256
+               --disable-by-batch-size 1000) ;;
     spec-batch64-off) extra=(--method ngram --num-requests 64 --streams 64 --max-tokens 256
                              --disable-by-batch-size 16) ;;
     esac

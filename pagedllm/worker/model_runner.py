@@ -11,7 +11,7 @@ and the samples come back in one copy that the caller waits for only when it nee
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -72,6 +72,20 @@ class FlatBatch:
     @property
     def max_query_len(self) -> int:
         return max(self.query_lens, default=0)
+
+    def as_decode_rows(self) -> "FlatBatch":
+        """The same step with each row of q tokens split into q rows of one token, the j-th
+        attending to the cache up to its own position (all of the step's K/V is written
+        before any row attends): a speculative step's k+1 tokens per sequence then run
+        through the decode kernels and the decode CUDA graphs, as plain decoding does. The
+        flat token order, and so the logits rows, stay the same."""
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        for q, n, table in zip(self.query_lens, self.seq_lens, self.block_tables):
+            seq_lens += range(n - q + 1, n + 1)
+            tables += [table] * q
+        return replace(self, query_lens=[1] * len(self.input_ids), seq_lens=seq_lens,
+                       block_tables=tables)
 
     def next_decode_step(self, block_size: int) -> "FlatBatch":
         """The same decode batch one token further on (multi-step): positions, context lengths
@@ -338,6 +352,8 @@ class ModelRunner:
         if not batch.seq_ids:
             return PendingStep(StepResult())
         b = self.gather(batch, spec)
+        if b.spec_rows and b.max_query_len <= 1 + max(len(p) for _, _, p in b.spec_rows):
+            b = b.as_decode_rows()  # no prompt chunk in the step: k+1 decode rows per sequence
         input_ids = self._device_input_ids(b)
         self._last_sampled = None
         hidden = self.forward(b, kv_caches, input_ids)
