@@ -207,6 +207,18 @@ def test_bad_constraints_are_refused_at_construction(kwargs, message):
     assert str(info.value).startswith(message), str(info.value)
 
 
+def test_an_eos_id_past_the_tokenizers_vocabulary_is_left_out(llm):
+    """A model whose vocabulary is wider than its tokenizer's (a dummy Qwen3 shape with
+    SmolLM2's tokenizer, as `bench structured` runs at nano's shape) may name an EOS id the
+    tokenizer has no token for; grammars still end on the tokenizer's own EOS."""
+    from pagedllm.engine.structured_output import ll_tokenizer
+
+    tokenizer = llm.get_tokenizer()
+    eos = tokenizer.eos_token_id
+    ll = ll_tokenizer(tokenizer, [eos, 151645])
+    assert ll.eos_token == eos and ll.vocab_size <= len(tokenizer) + 31
+
+
 def test_look_around_regex_names_the_problem():
     with pytest.raises(ValueError, match="look-around, including look-ahead and look-behind, "
                                          "is not supported"):

@@ -42,7 +42,9 @@ def ll_tokenizer(tokenizer: Any, eos_token_ids: list[int]) -> Any:
     if entry is None:
         if tokenizer is None:
             raise ValueError("structured output needs the model's tokenizer")
-        eos = sorted(eos_token_ids) or None
+        # An id past the tokenizer's vocabulary (a model whose embedding is wider, paired
+        # with a smaller tokenizer) has no token to end a grammar with: it is masked anyway.
+        eos = sorted(i for i in eos_token_ids if i < len(tokenizer)) or None
         try:
             ll = llguidance.hf.from_tokenizer(tokenizer, eos_token=eos)
         except ValueError as e:
