@@ -191,7 +191,9 @@ class SpeculativeConfig:
     of the sequence's last n tokens, n from prompt_lookup_max down to prompt_lookup_min.
     method "draft_model": `model` (a path, hub id or preset; `load_format`, `seed` as for
     the target) proposes greedily for greedy requests, by sampling otherwise.
-    disable_by_batch_size: no speculation in a step with more running sequences than this.
+    disable_by_batch_size: no speculation in a step with more running sequences than this;
+    default 32 on CUDA, 8 on the CPU (past them the k+1 rows per sequence make the step
+    compute-bound and speculation stops paying: README, "Speculative decoding").
     """
 
     method: str

@@ -206,6 +206,13 @@ def test_disable_by_batch_size(models, prompts, reference, method):
         assert stats.spec_acceptance_rate > 0.95  # 1.0 but for float near-ties
 
 
+def test_speculation_turns_off_past_a_batch_size_by_default(models):
+    llm = make_llm(models["target"], speculative_config=ngram())
+    assert llm.engine.spec_batch_limit == 8  # the CPU's default (CUDA: 32)
+    llm = make_llm(models["target"], speculative_config={**ngram(), "disable_by_batch_size": 3})
+    assert llm.engine.spec_batch_limit == 3
+
+
 def test_ngram_proposer():
     assert propose_ngram([1, 2, 3, 4, 1, 2], 3, 1, 3) == [3, 4, 1]
     # The longest suffix that matches wins; then the latest match of it.
@@ -318,8 +325,8 @@ def test_sampled_tokens_keep_the_targets_distribution(tmp_path):
     p1 = dist(outs[0])
     joint = (p1[:, None] * torch.stack([dist(o) for o in outs[1:]])).flatten()
     del plain
-    llm = make_llm(paths["target"], speculative_config={**draft(paths["small"], k=2)},
-                   max_num_seqs=256)
+    llm = make_llm(paths["target"], max_num_seqs=256, speculative_config={
+        **draft(paths["small"], k=2), "disable_by_batch_size": 256})
     torch.manual_seed(0)
     n = 2000
     params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)
