@@ -10,6 +10,8 @@ transformers' save_pretrained and loaded like any checkpoint. Then:
 - 16 prompts with 2..32 tokens each (the batch shrinks, so replays pad to buckets): the same;
 - async scheduling (the default on CUDA) against --no-async-scheduling, fp32 graphs: the same
   tokens;
+- speculative decoding (n-gram, k = 4; the verification runs as decode rows through the
+  graphs) against plain decoding, fp32: the same tokens, with some rows verified;
 - bf16 on CUDA, graphs vs eager: agreement reported (a bucket's GEMMs may round differently
   from the unpadded batch's, so bf16 is not required to match token for token);
 - decode latency at batch 1, eager vs graphs.
@@ -66,6 +68,7 @@ def generate(folder: str, prompts, max_tokens: list[int], **engine) -> dict:
         "cumulative_logprob": [o.outputs[0].cumulative_logprob for o in outs],
         "graph_replays": graphs.num_replays if graphs is not None else 0,
         "kv_tokens": llm.engine.worker.num_gpu_blocks * llm.engine.block_size,
+        "spec_verified_rows": llm.engine.get_stats().spec_num_verified_rows,
     }
     del llm, outs
     free()
@@ -142,6 +145,15 @@ def main() -> int:
                                     r["cuda fp32 graphs"], r["cuda fp32 eager"]))
                 rows.append(compare(f"{label} cuda async == sync scheduling (fp32)",
                                     r["cuda fp32 graphs"], r["cuda fp32 graphs sync"]))
+                r["cuda fp32 graphs ngram"] = generate(
+                    folder, prompts, lens, dtype="float32", **gpu,
+                    speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+                row = compare(f"{label} cuda speculative == plain (fp32)",
+                              r["cuda fp32 graphs ngram"], r["cuda fp32 graphs"])
+                verified = r["cuda fp32 graphs ngram"]["spec_verified_rows"]
+                row["ok"] = row["ok"] and verified > 0
+                row["check"] += f" [{verified} verified rows]"
+                rows.append(row)
                 replays = r["cuda fp32 graphs"]["graph_replays"]
                 rows.append({"check": f"{label} graphs replayed (fp32)", "ok": replays > 0,
                              "identical_seqs": f"{replays} replays",
