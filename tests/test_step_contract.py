@@ -173,8 +173,8 @@ def _count_continuations(engine, monkeypatch) -> list[int]:
     launched: list[int] = []
     schedule_continuation = engine.scheduler.schedule_continuation
 
-    def counting(prev, max_num_steps):
-        out = schedule_continuation(prev, max_num_steps)
+    def counting(prev, max_num_steps, structured_ok=False):
+        out = schedule_continuation(prev, max_num_steps, structured_ok)
         if out is not None:
             launched.append(out.num_steps)
         return out

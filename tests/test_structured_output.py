@@ -240,31 +240,51 @@ def test_bitmask_masks_only_its_rows():
     assert torch.equal(whole, before)
 
 
-def test_multi_step_and_async_scheduling_fall_back_to_single_steps(llm, monkeypatch):
+def test_multi_step_and_async_scheduling_with_constraints(llm, monkeypatch):
     """CUDA's engine order on the CPU: decode windows of 4 steps, launched ahead. While a
-    constrained sequence runs every step is a single, synchronous one (its mask needs the
-    last token); once it is gone the plain ones get their windows back."""
+    constrained sequence runs every step is a single one (its mask needs the last token),
+    still launched ahead: its masks are filled once the last step's tokens are in, before
+    it samples. Once the constrained sequences are gone the plain ones get their windows
+    back. Greedy output is the synchronous single steps' output."""
+    from pagedllm.worker.model_runner import DeferredSampling
+
+    prompts = [chat(llm, "Count to twenty."), chat(llm, "Give a code."),
+               chat(llm, "Describe a cat as a JSON object.")]
+    plain_tokens = PERSON_MAX_TOKENS + 20  # outlives the constrained ones
+    params = [SamplingParams(temperature=0.0, max_tokens=plain_tokens, ignore_eos=True,
+                             logprobs=2),
+              SamplingParams(temperature=0.0, max_tokens=12, logprobs=2,
+                             structured_outputs=StructuredOutputsParams(regex=r"[A-Z]{3}-\d{4}")),
+              SamplingParams(temperature=0.0, max_tokens=PERSON_MAX_TOKENS, logprobs=2,
+                             structured_outputs=StructuredOutputsParams(json=PERSON))]
+    sync = llm.generate(prompts, params, use_tqdm=False)
     engine = llm.engine
     monkeypatch.setattr(engine, "num_scheduler_steps", 4)
     monkeypatch.setattr(engine, "async_scheduling", True)
-    windows = []
-    launch = engine._launch
+    windows, deferred = [], []
+    launch, sample = engine._launch, DeferredSampling.sample_with_bitmask
 
-    def record(out):
+    def record(out, defer_masks=False):
         windows.append((out.num_steps, bool(engine.structured)))
-        return launch(out)
+        return launch(out, defer_masks)
+
+    def count(self, bitmask, rows):
+        deferred.append(len(rows))
+        return sample(self, bitmask, rows)
 
     monkeypatch.setattr(engine, "_launch", record)
-    prompts = [chat(llm, "Count to twenty."), chat(llm, "Give a code.")]
-    outs = llm.generate(prompts, [
-        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
-        SamplingParams(temperature=1.0, max_tokens=12, seed=2,
-                       structured_outputs=StructuredOutputsParams(regex=r"[A-Z]{3}-\d{4}")),
-    ], use_tqdm=False)
+    monkeypatch.setattr(DeferredSampling, "sample_with_bitmask", count)
+    outs = llm.generate(prompts, params, use_tqdm=False)
     assert re.fullmatch(r"[A-Z]{3}-\d{4}", outs[1].outputs[0].text)
-    assert len(outs[0].outputs[0].token_ids) == 40
+    jsonschema.validate(json.loads(outs[2].outputs[0].text), PERSON)
+    assert len(outs[0].outputs[0].token_ids) == plain_tokens
     assert all(steps == 1 for steps, constrained in windows if constrained)
     assert any(steps == 4 for steps, constrained in windows if not constrained)
+    assert len(deferred) >= 10 and max(deferred) == 2  # launched ahead, masks after
+    for got, want in zip(outs, sync):
+        steps = [{t: lp.logprob for t, lp in step.items()} for step in want.outputs[0].logprobs]
+        assert_same_greedy(got.outputs[0].token_ids, want.outputs[0].token_ids, steps,
+                           NEAR_TIE_ACROSS_BATCH_SHAPES)
     assert engine._in_flight is None
     _no_leaks(llm)
 

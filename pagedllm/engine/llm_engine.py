@@ -23,7 +23,7 @@ from pagedllm.engine.structured_output import StructuredOutputManager
 from pagedllm.layers.sampler import SampleResult
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.inputs import StepResult
+from pagedllm.worker.inputs import StepBatch, StepResult
 from pagedllm.worker.model_runner import PendingStep
 from pagedllm.worker.tp_worker import create_worker
 
@@ -75,6 +75,7 @@ class _InFlight:
 
     out: SchedulerOutput
     pending: PendingStep
+    batch: StepBatch
 
 
 class LLMEngine:
@@ -243,10 +244,19 @@ class LLMEngine:
         if self.async_scheduling and not (running.out.spec_token_ids or
                                           running.out.num_draft_tokens or
                                           self._speculation_on()):
-            after = self.scheduler.schedule_continuation(running.out, self.num_scheduler_steps)
+            after = self.scheduler.schedule_continuation(
+                running.out, self.num_scheduler_steps,
+                structured_ok=self.worker.defers_token_bitmask)
             if after is not None:
-                self._in_flight = self._launch(after)
+                self._in_flight = self._launch(after, defer_masks=True)
         outputs += self._update(running.out, running.pending.wait())
+        if self._in_flight is not None and self._in_flight.pending.needs_bitmask:
+            # The continuation's forward runs while this step's samples advanced the
+            # grammars; its masks follow now, before its sampling.
+            batch = self._in_flight.batch
+            self.structured.fill_bitmask(batch)
+            self._in_flight.pending.sample_with_bitmask(batch.token_bitmask,
+                                                        batch.token_bitmask_rows)
         for group in self.scheduler.free_finished_seq_groups():
             self._forget(group)
         return outputs
@@ -285,11 +295,16 @@ class LLMEngine:
             elif self.scheduler.reserve_speculative(out, seq, k):
                 out.num_draft_tokens[seq.seq_id] = k
 
-    def _launch(self, out: SchedulerOutput) -> _InFlight:
+    def _launch(self, out: SchedulerOutput, defer_masks: bool = False) -> _InFlight:
+        """Build and launch a step; `defer_masks`: constrained rows get their masks after
+        the launch (async scheduling), once the previous step's tokens are known."""
         batch = self.batch_builder.build(out)
         if self.structured:
-            self.structured.fill_bitmask(batch)
-        return _InFlight(out, self.worker.launch(batch))
+            if defer_masks and any(i in self.structured.matchers for i in batch.seq_ids):
+                batch.defer_token_bitmask = True
+            else:
+                self.structured.fill_bitmask(batch)
+        return _InFlight(out, self.worker.launch(batch), batch)
 
     def _forget(self, group: SequenceGroup) -> None:
         self.requests.pop(group.request_id, None)

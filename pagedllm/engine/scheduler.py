@@ -215,8 +215,8 @@ class Scheduler:
             out.num_steps = num_steps
         return out
 
-    def schedule_continuation(self, prev: SchedulerOutput, max_num_steps: int
-                              ) -> SchedulerOutput | None:
+    def schedule_continuation(self, prev: SchedulerOutput, max_num_steps: int,
+                              structured_ok: bool = False) -> SchedulerOutput | None:
         """Async scheduling: the step after `prev` while `prev` still runs, assuming each of
         its sequences gets its `prev.num_steps` tokens. Only a decode window that needs
         nothing of those tokens but their count: `prev` decoded every running request (one
@@ -224,7 +224,8 @@ class Scheduler:
         out, no waiting request could start, and the lookahead slots fit (then they are
         reserved). Sequences that surely finish by length in `prev` are left out; one that
         stops on a token or string costs one wasted step. None when the next step must wait
-        for `prev`'s samples."""
+        for `prev`'s samples. `structured_ok`: sequences with structured outputs may go on
+        (one step at a time: the engine fills their masks once `prev`'s samples are in)."""
         cfg = self.scheduler_config
         if self.swapped or (self.waiting and len(self.running) < cfg.max_num_seqs):
             return None
@@ -244,8 +245,10 @@ class Scheduler:
             if seq.status is not RUNNING:
                 continue  # aborted since
             num_live += 1
-            if self._reads_own_output(group, seq):
+            if self._reads_own_output(group, seq, structured_ok):
                 return None
+            if group.sampling_params.structured_outputs is not None:
+                num_steps = 1
             max_tokens = group.sampling_params.max_tokens
             if (max_tokens is not None and seq.get_output_len() + k >= max_tokens) \
                     or seq.get_len() + k >= max_len:
@@ -269,13 +272,15 @@ class Scheduler:
         return out
 
     @staticmethod
-    def _reads_own_output(group: SequenceGroup, seq: Sequence) -> bool:
+    def _reads_own_output(group: SequenceGroup, seq: Sequence,
+                          structured_ok: bool = False) -> bool:
         """Sampling that needs this sequence's latest tokens on the host (penalties, a
         pending min_tokens) or forks it (best_of/n at a first sample): such a sequence
         decodes one step at a time."""
         p = group.sampling_params
         return (group.max_num_samples != 1 or p.has_penalties
-                or p.structured_outputs is not None  # its next mask needs this token
+                # its next mask needs this token
+                or (p.structured_outputs is not None and not structured_ok)
                 or seq.get_output_len() < p.min_tokens)
 
     def _decode_window_size(self, max_num_steps: int) -> int:

@@ -72,6 +72,9 @@ class StepBatch:
     # constrains (the others are left alone). Only with num_steps == 1.
     token_bitmask: Any = None
     token_bitmask_rows: list[int] = field(default_factory=list)
+    # The masks come after the launch (async scheduling: they need the last step's tokens):
+    # the forward is queued at once, the sampling waits for PendingStep.sample_with_bitmask.
+    defer_token_bitmask: bool = False
     # Speculative decoding (a decode row only; its num_scheduled_tokens counts them too):
     # seq_id -> proposed tokens after the row's last token (n-gram, proposed by the engine),
     # or seq_id -> how many tokens the worker's draft model proposes. Such a row's input is

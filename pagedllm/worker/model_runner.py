@@ -11,7 +11,9 @@ and the samples come back in one copy that the caller waits for only when it nee
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -130,12 +132,37 @@ class PendingStep:
                 self._event.record()
             self._sampled = host
 
+    needs_bitmask = False  # DeferredSampling: the step waits for its token bitmask
+
     def wait(self) -> StepResult:
         if self._event is not None:
             self._event.synchronize()
             self._event = None
         self._result.sampled = self._sampled
         return self._result
+
+
+class DeferredSampling(PendingStep):
+    """A step whose forward is queued and whose sampling waits for the token bitmask
+    (StepBatch.defer_token_bitmask): sample_with_bitmask queues it, then wait() as usual."""
+
+    def __init__(self, sample: Callable[[], PendingStep], batch: StepBatch) -> None:
+        self._sample, self._batch, self._pending = sample, batch, None
+
+    @property
+    def needs_bitmask(self) -> bool:
+        return self._pending is None
+
+    def sample_with_bitmask(self, token_bitmask: Any, rows: list[int]) -> None:
+        if self._pending is not None:
+            raise ValueError("this step's samples were already drawn")
+        self._batch.token_bitmask, self._batch.token_bitmask_rows = token_bitmask, rows
+        self._pending = self._sample()
+
+    def wait(self) -> StepResult:
+        if self._pending is None:
+            raise ValueError("the step waits for its token bitmask (sample_with_bitmask)")
+        return self._pending.wait()
 
 
 class ModelRunner:
@@ -369,6 +396,18 @@ class ModelRunner:
             return PendingStep(result, self._verify(batch, b, logits, result, draft_probs))
         if not b.sample_rows:
             return PendingStep(result)
+        if batch.defer_token_bitmask:
+            if batch.num_steps != 1:
+                raise ValueError("a deferred token_bitmask needs num_steps == 1")
+            return DeferredSampling(
+                lambda: self._sample(batch, b, logits, result, kv_caches), batch)
+        return self._sample(batch, b, logits, result, kv_caches)
+
+    @torch.inference_mode()
+    def _sample(self, batch: StepBatch, b: FlatBatch, logits: torch.Tensor, result: StepResult,
+                kv_caches: list[torch.Tensor]) -> PendingStep:
+        """Sample the step's rows (the bitmask applied first), then any further decode
+        steps of a multi-step batch."""
         rows = [row for _, row in b.sample_rows]
         num_prompt_rows = len(b.logits_indices) - len(rows)
         if batch.token_bitmask is not None:  # structured output: refused tokens get -inf

@@ -163,6 +163,8 @@ def worker_loop(args: EngineArgs) -> int:
 class DriverWorker(Worker):
     """Rank 0's worker: each step goes to the other ranks first, then runs here."""
 
+    defers_token_bitmask = False  # every rank samples: the mask would need a second broadcast
+
     def __init__(self, args: EngineArgs, processes: list) -> None:
         self.processes = processes
         self._stopped = False

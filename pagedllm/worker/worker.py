@@ -67,6 +67,9 @@ def tp_device(device: torch.device, device_map: str) -> torch.device:
 
 
 class Worker:
+    # A batch may leave its token bitmask for later (StepBatch.defer_token_bitmask).
+    defers_token_bitmask = True
+
     def __init__(self, args: EngineArgs) -> None:
         source = load_model_source(args.model, args.load_format, args.tokenizer)
         self.source_name = source.name
