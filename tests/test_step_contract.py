@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pagedllm import SamplingParams
+from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.config import CacheConfig, ModelConfig, SchedulerConfig
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.sequence import Sequence, SequenceGroup
@@ -188,16 +189,25 @@ def test_async_scheduling_gives_the_synchronous_results(default_llm, monkeypatch
     """Greedy with logprobs, seeded sampling, a stop string, EOS and max_tokens of every
     size: the same tokens, text, logprobs and finish reasons when each decode window is
     launched before the previous one's samples are read (the forward is synchronous on
-    the CPU, but the engine's order is the CUDA one)."""
-    prompts = [PROMPT, "Hello", "The capital of France is", "Count: 1, 2, 3, 4,", PROMPT]
+    the CPU, but the engine's order is the CUDA one). A min_tokens that runs out exactly
+    where the answer's EOS comes: launched ahead one step at a time, that step must count
+    the token still in flight, or EOS stays masked one step too long."""
+    engine = default_llm.engine
+    hi = default_llm.get_tokenizer().apply_chat_template(
+        [{"role": "user", "content": "Hi!"}], tokenize=False, add_generation_prompt=True)
+    natural = default_llm.generate(hi, SamplingParams(temperature=0.0, max_tokens=40),
+                                   use_tqdm=False)[0].outputs[0]
+    assert natural.finish_reason == "stop" and natural.token_ids[-1] in engine.eos_token_ids
+    prompts = [PROMPT, "Hello", "The capital of France is", "Count: 1, 2, 3, 4,", PROMPT, hi]
     params = [
         SamplingParams(temperature=0.0, max_tokens=11, logprobs=2),
         SamplingParams(temperature=0.8, top_p=0.9, max_tokens=9, seed=5),
         SamplingParams(temperature=0.0, max_tokens=40, stop=["."]),
         SamplingParams(temperature=0.0, max_tokens=6),
         SamplingParams(temperature=0.0, max_tokens=2),
+        SamplingParams(temperature=0.0, max_tokens=40,
+                       min_tokens=len(natural.token_ids) - 1),  # EOS allowed at its place
     ]
-    engine = default_llm.engine
     monkeypatch.setattr(engine, "num_scheduler_steps", num_steps)
     sync = default_llm.generate(prompts, params, use_tqdm=False)
     monkeypatch.setattr(engine, "async_scheduling", True)
@@ -205,6 +215,7 @@ def test_async_scheduling_gives_the_synchronous_results(default_llm, monkeypatch
     overlapped = default_llm.generate(prompts, params, use_tqdm=False)
     assert len(launched) >= 2 and max(launched) == num_steps
     assert sync[2].outputs[0].finish_reason == "stop"
+    assert sync[5].outputs[0].token_ids == natural.token_ids
     for a, b in zip(sync, overlapped):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids
         assert b.outputs[0].text == a.outputs[0].text
@@ -296,12 +307,31 @@ def test_continuation_leaves_out_what_finishes_by_length_and_waits_when_it_must(
     assert s.schedule_continuation(prev, 2) is None
 
 
-@pytest.mark.parametrize("params", [dict(repetition_penalty=1.2), dict(min_tokens=5),
-                                    dict(n=2)])
+@pytest.mark.parametrize("params", [dict(repetition_penalty=1.2), dict(n=2)])
 def test_no_continuation_for_sampling_that_reads_its_own_output(params):
     s, _ = scheduler_with([[1] * 5], max_tokens=20, **params)
     decode_once(s)
     assert s.schedule_continuation(s.schedule(), 1) is None
+
+
+def test_one_step_continuations_for_min_tokens_and_structured_outputs():
+    """A pending min_tokens needs only the count, a grammar its mask after the launch: such
+    sequences go on one step at a time (structured ones only where the worker can take the
+    masks later)."""
+    s, _ = scheduler_with([[1] * 5], max_tokens=20, min_tokens=5)
+    decode_once(s)
+    prev = s.schedule(max_num_steps=4)
+    assert prev.num_steps == 1
+    nxt = s.schedule_continuation(prev, 4)
+    assert nxt is not None and nxt.num_steps == 1
+    s, _ = scheduler_with([[1] * 5], max_tokens=20,
+                          structured_outputs=StructuredOutputsParams(regex="[a-z]+"))
+    decode_once(s)
+    prev = s.schedule(max_num_steps=4)
+    assert prev.num_steps == 1
+    assert s.schedule_continuation(prev, 4) is None
+    nxt = s.schedule_continuation(prev, 4, structured_ok=True)
+    assert nxt is not None and nxt.num_steps == 1
 
 
 def test_no_continuation_after_a_prefill_or_when_the_slots_do_not_fit():

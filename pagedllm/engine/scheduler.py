@@ -245,9 +245,10 @@ class Scheduler:
             if seq.status is not RUNNING:
                 continue  # aborted since
             num_live += 1
-            if self._reads_own_output(group, seq, structured_ok):
+            if self._reads_own_output(group, seq) or (
+                    group.sampling_params.structured_outputs is not None and not structured_ok):
                 return None
-            if group.sampling_params.structured_outputs is not None:
+            if self._one_step_at_a_time(group, seq):
                 num_steps = 1
             max_tokens = group.sampling_params.max_tokens
             if (max_tokens is not None and seq.get_output_len() + k >= max_tokens) \
@@ -272,20 +273,24 @@ class Scheduler:
         return out
 
     @staticmethod
-    def _reads_own_output(group: SequenceGroup, seq: Sequence,
-                          structured_ok: bool = False) -> bool:
-        """Sampling that needs this sequence's latest tokens on the host (penalties, a
-        pending min_tokens) or forks it (best_of/n at a first sample): such a sequence
-        decodes one step at a time."""
+    def _reads_own_output(group: SequenceGroup, seq: Sequence) -> bool:
+        """Sampling that needs this sequence's latest tokens on the host before its step is
+        launched (penalties) or forks it (best_of/n at a first sample)."""
         p = group.sampling_params
-        return (group.max_num_samples != 1 or p.has_penalties
-                # its next mask needs this token
-                or (p.structured_outputs is not None and not structured_ok)
-                or seq.get_output_len() < p.min_tokens)
+        return group.max_num_samples != 1 or p.has_penalties
+
+    @staticmethod
+    def _one_step_at_a_time(group: SequenceGroup, seq: Sequence) -> bool:
+        """A sequence whose every sample needs the step before it: its grammar mask needs
+        that token (structured output), its min_tokens mask that count (the worker counts
+        from positions, so a step launched ahead gets it right)."""
+        p = group.sampling_params
+        return p.structured_outputs is not None or seq.get_output_len() < p.min_tokens
 
     def _decode_window_size(self, max_num_steps: int) -> int:
         """Decode steps the next step may run back to back: 1 unless every running request
-        is decoding one sequence that `_reads_own_output` allows, none is swapped out, and
+        is decoding one sequence that may run several steps (`_reads_own_output`,
+        `_one_step_at_a_time`), none is swapped out, and
         no waiting request could start now (the batch is full). Capped so no sequence
         passes max_model_len."""
         cfg = self.scheduler_config
@@ -299,7 +304,8 @@ class Scheduler:
             if len(group.seqs_dict) != 1:
                 return 1
             (seq,) = group.seqs_dict.values()
-            if seq.num_uncomputed_tokens != 1 or self._reads_own_output(group, seq):
+            if seq.num_uncomputed_tokens != 1 or self._reads_own_output(group, seq) or \
+                    self._one_step_at_a_time(group, seq):
                 return 1
             room = max_len - seq.get_len() + 1
             if room < num_steps:

@@ -10,8 +10,9 @@ reaches its end state finishes the sequence.
 The matcher lives with the engine's Sequence, so preemption loses nothing: recompute keeps
 the output tokens the matcher has consumed, and swapping moves only KV. A fork (n/best_of)
 deep-copies its parent's matcher before either takes its own sample. Sequences with a
-matcher decode one step per schedule and never ahead of their samples (the scheduler's
-`_reads_own_output`): the next mask needs this step's token.
+matcher decode one step per schedule (the scheduler's `_one_step_at_a_time`): the next mask
+needs this step's token. Under async scheduling such a step is still launched ahead; its
+masks are filled once the step before has advanced the grammars, before it samples.
 """
 from __future__ import annotations
 

@@ -30,6 +30,14 @@ class SamplingRow:
     output_token_ids: list[int]  # generated so far by this sequence
     num_samples: int = 1  # >1 only at the first sample of a best_of > 1 request
     generator: torch.Generator | None = None  # set when params.seed is given
+    # Tokens generated before this sample, from the row's position: under async scheduling
+    # output_token_ids may not hold the last step's token yet. None: len(output_token_ids).
+    num_output_tokens: int | None = None
+
+    @property
+    def output_len(self) -> int:
+        return len(self.output_token_ids) if self.num_output_tokens is None \
+            else self.num_output_tokens
 
 
 @dataclass
@@ -128,7 +136,7 @@ class Sampler:
         row_idx, token_idx = [], []
         for i, row in enumerate(rows):
             p = row.params
-            if len(row.output_token_ids) >= p.min_tokens:
+            if row.output_len >= p.min_tokens:
                 continue
             # With ignore_eos, EOS does not stop the sequence, so it needs no mask.
             stops = set(p.stop_token_ids or []) | (set() if p.ignore_eos else set(self.eos_token_ids))
@@ -142,7 +150,7 @@ class Sampler:
 
 def _modifies_logits(row: SamplingRow) -> bool:
     p = row.params
-    return bool(p.logit_bias) or len(row.output_token_ids) < p.min_tokens or p.has_penalties
+    return bool(p.logit_bias) or row.output_len < p.min_tokens or p.has_penalties
 
 
 def _sample_rows(rows: list[SamplingRow], device: torch.device) -> torch.Tensor | None:

@@ -292,6 +292,7 @@ class ModelRunner:
                     output_token_ids=st.output_token_ids,
                     num_samples=num_samples.get(seq_id, 1) if num_samples else 1,
                     generator=st.generator,
+                    num_output_tokens=end - prompt_len,
                 )))
         b.logits_indices = prompt_indices + sample_indices + spec_indices
         return b
