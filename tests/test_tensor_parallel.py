@@ -131,6 +131,13 @@ def test_greedy_tokens_match_one_rank(family, tp):
     assert_same_greedy(reference, outputs)
 
 
+def test_async_scheduling_at_two_ranks(family):
+    """CUDA's engine order (decode windows of 4, launched ahead) on gloo: the same tokens."""
+    path, prompts, reference = family
+    outputs, _ = run(path, prompts, 2, async_scheduling=True, num_scheduler_steps=4)
+    assert_same_greedy(reference, outputs)
+
+
 def test_default_model_at_three_ranks():
     """SmolLM2-135M: 9 heads and 3 KV heads, one KV head per rank."""
     prompts = mixed_prompts()[8:24]  # 8 plain openings, 8 sharing a long prefix
