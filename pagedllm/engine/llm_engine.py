@@ -250,7 +250,7 @@ class LLMEngine:
             if after is not None:
                 self._in_flight = self._launch(after, defer_masks=True)
         outputs += self._update(running.out, running.pending.wait())
-        if self._in_flight is not None and self._in_flight.pending.needs_bitmask:
+        if self._in_flight is not None and self._in_flight.batch.defer_token_bitmask:
             # The continuation's forward runs while this step's samples advanced the
             # grammars; its masks follow now, before its sampling.
             batch = self._in_flight.batch

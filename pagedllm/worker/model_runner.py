@@ -132,8 +132,6 @@ class PendingStep:
                 self._event.record()
             self._sampled = host
 
-    needs_bitmask = False  # DeferredSampling: the step waits for its token bitmask
-
     def wait(self) -> StepResult:
         if self._event is not None:
             self._event.synchronize()
@@ -148,10 +146,6 @@ class DeferredSampling(PendingStep):
 
     def __init__(self, sample: Callable[[], PendingStep], batch: StepBatch) -> None:
         self._sample, self._batch, self._pending = sample, batch, None
-
-    @property
-    def needs_bitmask(self) -> bool:
-        return self._pending is None
 
     def sample_with_bitmask(self, token_bitmask: Any, rows: list[int]) -> None:
         if self._pending is not None:

@@ -229,8 +229,6 @@ class _GuardedStep:
     """A launched step whose wait() also names a failed rank (on CUDA the collectives of
     the step may fail only when its results are waited for)."""
 
-    needs_bitmask = False  # the driver never defers masks (defers_token_bitmask)
-
     def __init__(self, pending: PendingStep, driver: DriverWorker) -> None:
         self.pending, self.driver = pending, driver
 
