@@ -96,9 +96,14 @@ class Sampler:
         logits = logits.float()
         x = self.process_logits(logits, rows)
         sample_rows = _sample_rows(rows, x.device)
-        token_ids = _choose_tokens(x, rows, sample_rows)
+        argmax = lse = None
+        if logits.is_cuda:  # both reductions in one kernel
+            from pagedllm.kernels.triton_sampling import row_argmax_logsumexp
+
+            argmax, lse = row_argmax_logsumexp(logits)
+        token_ids = _choose_tokens(x, rows, sample_rows, argmax if x is logits else None)
         with_rank = any(r.params.logprobs is not None for r in rows)
-        packed = _pack_logprobs(logits, sample_rows, token_ids, max(num_top), with_rank)
+        packed = _pack_logprobs(logits, sample_rows, token_ids, max(num_top), with_rank, lse)
         return SampledBatch(token_ids, packed, rows, num_top)
 
     def process_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -212,15 +217,18 @@ def _apply_penalties(x: torch.Tensor, rows: list[SamplingRow]) -> None:
     x[index] = sub
 
 
-def _choose_tokens(x: torch.Tensor, rows: list[SamplingRow],
-                   sample_rows: torch.Tensor | None) -> torch.Tensor:
-    """[num_samples_total] token ids; greedy samples are the argmax of their row. Each
-    [rows, vocab] pass costs a read of the whole logits, so none runs that is not needed."""
+def _choose_tokens(x: torch.Tensor, rows: list[SamplingRow], sample_rows: torch.Tensor | None,
+                   argmax: torch.Tensor | None = None) -> torch.Tensor:
+    """[num_samples_total] token ids; greedy samples are the argmax of their row (`argmax`
+    when already computed). Each [rows, vocab] pass costs a read of the whole logits, so none
+    runs that is not needed."""
     random_rows = [i for i, r in enumerate(rows) if r.params.sampling_type != SamplingType.GREEDY]
     all_random = len(random_rows) == len(rows)
     if not all_random:
-        # max(dim) returns the first maximal index, as argmax does, in about half its time.
-        token_ids = _rows_of(x.max(dim=-1).indices, sample_rows)
+        if argmax is None:
+            # max(dim) returns the first maximal index, as argmax does, in half its time.
+            argmax = x.max(dim=-1).indices
+        token_ids = _rows_of(argmax, sample_rows)
     if not random_rows:
         return token_ids
     counts = [rows[i].num_samples for i in random_rows]
@@ -302,7 +310,7 @@ def _exponential_noise(
 
 def _pack_logprobs(
     logits: torch.Tensor, sample_rows: torch.Tensor | None, token_ids: torch.Tensor, k: int,
-    with_rank: bool = True,
+    with_rank: bool = True, lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Everything the host needs, per sample, in one float64 tensor (on the device) to move
     to the host at once: [token_id, logprob, rank, k top token ids, k top logprobs]. float64
@@ -310,7 +318,8 @@ def _pack_logprobs(
     [rows, vocab] logprob matrix is written); the rank (0 without `with_rank`) counts the
     raw logits above the chosen one."""
     logits = logits.float()
-    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    if lse is None:
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True)
     row_logits = _rows_of(logits, sample_rows)
     chosen_logit = row_logits.gather(1, token_ids[:, None])
     chosen = chosen_logit - _rows_of(lse, sample_rows)
