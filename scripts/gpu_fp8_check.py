@@ -5,8 +5,8 @@ then greedy agreement with bf16 on real weights.
 
 1. Kernels, for each Llama-3-8B linear (qkv, o, gate_up, down) and batch rows M in (1, 4,
    16, 64, 512): FP8Linear against its fp32 emulation (the same quantized operands) and
-   against bf16 F.linear; times (triton.testing.do_bench) of bf16 F.linear, the W8A16
-   Triton kernel (M <= 16), _scaled_mm with per-row activation quantization (the Triton
+   against bf16 F.linear; times (triton.testing.do_bench) of bf16 F.linear, the skinny
+   Triton kernel on the FP8 weight (M <= 16), _scaled_mm with per-row activation quantization (the Triton
    quantize_rows kernel + torch._scaled_mm), and what FP8Linear picks; weight GB/s.
 2. Agreement on real weights: the default SmolLM2-135M GGUF on CUDA, bf16 vs fp8, 16 prompts
    x 32 greedy tokens (common prefix per prompt, and the largest |logprob| difference of the
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import triton.testing  # noqa: E402
 
 from pagedllm import LLM, SamplingParams  # noqa: E402
-from pagedllm.kernels import triton_fp8  # noqa: E402
+from pagedllm.kernels import triton_fp8, triton_gemv  # noqa: E402
 from pagedllm.layers import fp8_linear  # noqa: E402
 from pagedllm.layers.fp8_linear import FP8Linear  # noqa: E402
 
@@ -61,8 +61,9 @@ def check_and_time() -> list[dict]:
             t_fp8 = triton.testing.do_bench(lambda: fp8(x))
             t_scaled = triton.testing.do_bench(
                 lambda: fp8._scaled_mm(*triton_fp8.quantize_rows(x), x.dtype))
-            t_w8a16 = (triton.testing.do_bench(lambda: triton_fp8.w8a16_matmul(x, wq, ws))
-                       if m <= triton_fp8.W8A16_MAX_ROWS else None)
+            t_w8a16 = (triton.testing.do_bench(
+                lambda: triton_gemv.skinny_matmul(x, wq, ws.view(-1)))
+                if m <= triton_gemv.MAX_ROWS else None)
             row = {"linear": name, "n": n, "k": k, "m": m, "max_err_vs_emulation": err,
                    "rel_err_vs_bf16": rel_bf16, "bf16_us": t_bf16 * 1e3, "fp8_us": t_fp8 * 1e3,
                    "scaled_mm_us": t_scaled * 1e3,

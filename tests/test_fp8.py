@@ -1,4 +1,5 @@
-"""FP8 E4M3 weights (--quantization fp8, layers/fp8_linear.py, kernels/triton_fp8.py),
+"""FP8 E4M3 weights (--quantization fp8, layers/fp8_linear.py, kernels/triton_fp8.py; the
+small-batch kernel kernels/triton_gemv.py is tests/test_kernels.py's),
 checked on the CPU: the Triton kernels under the interpreter against torch, FP8Linear with
 torch's CPU _scaled_mm against a plain fp32 emulation, and the engine's load-time swap.
 The CUDA speed and bf16 agreement are scripts/gpu_check.sh's fp8 step."""
@@ -41,26 +42,6 @@ def test_triton_quantize_rows_equals_torch_bit_for_bit():
         got_q, got_s = triton_fp8.quantize_rows(x.to(dtype))
         assert torch.equal(got_s, want_s)
         assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
-
-
-# n not a multiple of BLOCK_N, k not a multiple of BLOCK_K; split 3: K in slices of 256,
-# 256 and 188, summed in fp32 after (what CUDA picks for a decode GEMV's few output blocks)
-@pytest.mark.parametrize("m, n, k, split", [(1, 40, 200, None), (5, 40, 200, None),
-                                            (16, 40, 200, None), (1, 130, 700, 3),
-                                            (16, 130, 700, 3)])
-def test_w8a16_matmul_matches_the_dequantized_weight(m, n, k, split):
-    g = torch.Generator().manual_seed(m)
-    q, s = quantize_rows(torch.randn(n, k, generator=g))
-    # fp16 activations: the interpreter's tl.dot cannot take bf16 (CUDA runs bf16: gpu_check)
-    x = torch.randn(m, k, generator=g).to(torch.float16)
-    ref = x.double() @ (q.double() * s.double()).T
-    got = triton_fp8.w8a16_matmul(x, q, s.view(-1), split_k=split)
-    assert got.dtype == torch.float16 and got.shape == (m, n)
-    # fp32 accumulation, then one rounding to fp16 (11 significant bits)
-    tol = ref.abs() * 2**-10 + 1e-5 * (x.double().abs() @ (q.double() * s.double()).abs().T)
-    assert ((got.double() - ref).abs() <= tol).all()
-    with pytest.raises(ValueError, match="w8a16_matmul takes at most 16 rows, got 17"):
-        triton_fp8.w8a16_matmul(torch.zeros(17, k, dtype=torch.float16), q, s.view(-1))
 
 
 def test_fp8_linear_against_its_emulation_and_bf16():

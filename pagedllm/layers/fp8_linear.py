@@ -2,7 +2,7 @@
 
 Each decoder linear's weight is stored in FP8 E4M3 with one fp32 scale per output channel
 (w ~= q * scale[n], scale = max|w[n]| / 448). Two kernels, by batch size:
-  up to 16 rows (decode): kernels/triton_fp8.w8a16_matmul reads the FP8 weight and the bf16
+  up to 16 rows (decode): kernels/triton_gemv.skinny_matmul reads the FP8 weight and the bf16
       activations as they are (weight-only quantization: the bytes are what decode pays for);
   more rows: the activations are quantized per row on the fly (dynamic scales, the same rule)
       and torch._scaled_mm multiplies FP8 x FP8 on the tensor cores, both scales applied to
@@ -63,10 +63,10 @@ class FP8Linear(nn.Module):
         if not x.is_cuda:
             out = self._scaled_mm(*quantize_rows(rows), x.dtype)
         else:
-            from pagedllm.kernels import triton_fp8  # Triton only where it runs
+            from pagedllm.kernels import triton_fp8, triton_gemv  # Triton only where it runs
 
             if rows.shape[0] <= SMALL_BATCH_ROWS:
-                out = triton_fp8.w8a16_matmul(rows, self.qweight, self.weight_scale)
+                out = triton_gemv.skinny_matmul(rows, self.qweight, self.weight_scale.view(-1))
             else:
                 out = self._scaled_mm(*triton_fp8.quantize_rows(rows), x.dtype)
         if self.bias is not None:

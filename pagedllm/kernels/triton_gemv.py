@@ -1,0 +1,173 @@
+"""Skinny matmuls on CUDA: y = x . W^T for the few rows of a decode step (1-16), W in
+bf16/fp16, or FP8 E4M3 with one scale per output feature (layers/fp8_linear.py).
+
+Such a product is bound by reading W once. Each program owns BLOCK_N output features and one
+slice of K (split-K: a GEMV has too few output blocks to keep every SM streaming otherwise)
+and reads those weight bytes once for every row of x. The slices' fp32 partial sums are
+added by the last program of each column block to finish (a counter per block, which that
+program resets), so one call is one kernel: a separate reduction and cast after each product
+cost ~4 us each, ~0.5 ms of a Llama-3-8B decode step's 4 ms.
+
+One row takes the CUDA cores (products summed along K, no padding to a tensor-core tile);
+2-16 rows take tl.dot. The kernel runs under TRITON_INTERPRET=1 on the CPU for the tests
+(its tl.dot takes fp16, not bf16).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedllm.kernels.triton_counters import counters
+
+
+@triton.jit
+def _skinny_kernel(out_ptr, part_ptr, count_ptr, x_ptr, w_ptr, scale_ptr, M, N, K,
+                   k_per_split, stride_xm, stride_om, SPLIT,
+                   W_FP8: tl.constexpr, HAS_SCALE: tl.constexpr,
+                   EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+    """Program (n, s): output features [n * BLOCK_N, +BLOCK_N) over the K slice
+    [s * k_per_split, +k_per_split). EVEN: no bounds to check (N and the slices divide)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    if BLOCK_M == 1:
+        acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            ks = k0 + rk
+            if EVEN:
+                x = tl.load(x_ptr + ks)
+                w = tl.load(w_rows + ks[None, :])
+            else:
+                x = tl.load(x_ptr + ks, mask=ks < k_end, other=0.0)
+                w = tl.load(w_rows + ks[None, :],
+                            mask=(rn[:, None] < N) & (ks[None, :] < k_end), other=0)
+            if W_FP8:
+                w = w.to(tl.float8e4nv, bitcast=True)
+            acc1 += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+        acc = acc1[None, :]
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            ks = k0 + rk
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + ks[None, :],
+                        mask=(rm[:, None] < M) & (ks[None, :] < k_end), other=0.0)
+            if EVEN:
+                w = tl.load(w_rows + ks[None, :])
+            else:
+                w = tl.load(w_rows + ks[None, :],
+                            mask=(rn[:, None] < N) & (ks[None, :] < k_end), other=0)
+            if W_FP8:  # e4m3 -> fp32 -> the activations' dtype (exact: e4m3 fits in bf16)
+                w = w.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+    if HAS_SCALE:
+        acc = acc * tl.load(scale_ptr + rn, mask=rn < N, other=0.0)[None, :]
+    offs = rm[:, None] * N + rn[None, :]
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    out_ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
+    if SPLIT == 1:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(part_ptr + pid_k * M * N + offs, acc, mask=mask)
+        # Every thread's partial is stored before one thread counts this slice done
+        # (release); the last slice's program reads all of them from L2 (.cg), in slice
+        # order, so the sum does not depend on which program came last.
+        tl.debug_barrier()
+        done = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+        if done == SPLIT - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in range(SPLIT):
+                total += tl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0,
+                                 cache_modifier=".cg")
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(count_ptr + pid_n, 0)
+
+
+MAX_ROWS = 16
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    block_n: int
+    block_k: int
+    num_warps: int
+    programs_per_sm: int  # split K until the grid has about this many programs per SM
+
+
+# Measured on an H200 with scripts/gpu_gemv_tune.py --sweep at Llama-3-8B's shapes. One row
+# (CUDA cores), keyed by the weight's element size and whether it has many output features
+# (a gate_up projection or an LM head: enough column blocks that K is hardly split):
+ROW_CONFIGS = {
+    (2, False): SkinnyConfig(block_n=16, block_k=256, num_warps=4, programs_per_sm=8),
+    (2, True): SkinnyConfig(block_n=16, block_k=512, num_warps=4, programs_per_sm=8),
+    (1, False): SkinnyConfig(block_n=16, block_k=512, num_warps=4, programs_per_sm=8),
+    (1, True): SkinnyConfig(block_n=32, block_k=256, num_warps=4, programs_per_sm=4),
+}
+WIDE_N = 16384
+# 2-16 rows (tensor cores)
+DOT_CONFIG = SkinnyConfig(block_n=64, block_k=256, num_warps=4, programs_per_sm=4)
+
+
+def choose_config(m: int, n: int, weight: torch.Tensor) -> SkinnyConfig:
+    if m > 1:
+        return DOT_CONFIG
+    return ROW_CONFIGS[weight.element_size(), n >= WIDE_N]
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # the interpreter: any value works
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def split_k(n: int, k: int, device: torch.device, config: SkinnyConfig) -> int:
+    """How many K slices: enough programs for the device's SMs, each slice at least two
+    BLOCK_K steps long."""
+    blocks_n = triton.cdiv(n, config.block_n)
+    wanted = triton.cdiv(config.programs_per_sm * _num_sms(device), blocks_n)
+    return max(1, min(wanted, k // (2 * config.block_k)))
+
+
+def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
+                  split: int | None = None, config: SkinnyConfig | None = None) -> torch.Tensor:
+    """x [M, K] (M <= 16, bf16/fp16) . (weight [N, K] (* scale [N]))^T -> [M, N] in x's
+    dtype, accumulated in fp32. weight: x's dtype, or float8_e4m3fn with fp32 scales."""
+    M, K = x.shape
+    N = weight.shape[0]
+    if M > MAX_ROWS:
+        raise ValueError(f"skinny_matmul takes at most {MAX_ROWS} rows, got {M}")
+    if weight.shape[1] != K or not weight.is_contiguous():
+        raise ValueError("the weight must be a contiguous [N, K] matrix matching x")
+    w_fp8 = weight.dtype == torch.float8_e4m3fn
+    if not w_fp8 and weight.dtype != x.dtype:
+        raise ValueError(f"weight dtype {weight.dtype} does not match x's {x.dtype}")
+    if w_fp8 != (scale is not None):
+        raise ValueError("an FP8 weight takes per-feature scales, any other weight none")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    config = config or choose_config(M, N, weight)
+    split = split or split_k(N, K, x.device, config)
+    k_per_split = triton.cdiv(triton.cdiv(K, split), config.block_k) * config.block_k
+    split = triton.cdiv(K, k_per_split)
+    blocks_n = triton.cdiv(N, config.block_n)
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    part = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+    even = N % config.block_n == 0 and K % k_per_split == 0
+    _skinny_kernel[(blocks_n, split)](
+        out, part, counters("skinny_matmul", x.device, blocks_n), x,
+        weight.view(torch.uint8) if w_fp8 else weight, scale if w_fp8 else out, M, N, K,
+        k_per_split, x.stride(0), out.stride(0),
+        split, W_FP8=w_fp8, HAS_SCALE=w_fp8, EVEN=even,
+        BLOCK_M=1 if M == 1 else 16, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        num_warps=config.num_warps, num_stages=3,
+    )
+    return out
