@@ -115,7 +115,7 @@ def triton_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rotate_heads(ptr, token, stride_t, stride_h, num_heads, cos, sin, half,
+def rotate_heads(ptr, token, stride_t, stride_h, num_heads, cos, sin, half,
                   HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr):
     heads = tl.arange(0, HEADS_PAD)[:, None]
     cols = tl.arange(0, HALF_PAD)[None, :]
@@ -140,8 +140,8 @@ def _rotary_neox_kernel(
     cmask = cols < half
     cos = tl.load(cos_sin_ptr + pos * stride_cs + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
     sin = tl.load(cos_sin_ptr + pos * stride_cs + half + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    _rotate_heads(q_ptr, token, stride_qt, stride_qh, num_heads, cos, sin, half, Q_HEADS_PAD, HALF_PAD)
-    _rotate_heads(k_ptr, token, stride_kt, stride_kh, num_kv_heads, cos, sin, half, K_HEADS_PAD, HALF_PAD)
+    rotate_heads(q_ptr, token, stride_qt, stride_qh, num_heads, cos, sin, half, Q_HEADS_PAD, HALF_PAD)
+    rotate_heads(k_ptr, token, stride_kt, stride_kh, num_kv_heads, cos, sin, half, K_HEADS_PAD, HALF_PAD)
 
 
 def triton_rotary_embedding(
@@ -151,6 +151,24 @@ def triton_rotary_embedding(
     cos_sin_cache: torch.Tensor,  # [max_position, rotary_dim]: cos | sin, rotary_dim <= head_dim
 ) -> None:
     """Neox-style RoPE on the first rotary_dim dims of every head (the rest pass through)."""
+    check_rotary_inputs(positions, query, key, cos_sin_cache)
+    num_tokens, num_heads, head_dim = query.shape
+    if num_tokens == 0:
+        return
+    half = cos_sin_cache.shape[-1] // 2
+    _rotary_neox_kernel[(num_tokens,)](
+        query, key, positions, cos_sin_cache,
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1), cos_sin_cache.stride(0),
+        num_heads, key.shape[1], half,
+        Q_HEADS_PAD=triton.next_power_of_2(num_heads),
+        K_HEADS_PAD=triton.next_power_of_2(key.shape[1]),
+        HALF_PAD=triton.next_power_of_2(half),
+        num_warps=4,
+    )
+
+
+def check_rotary_inputs(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                        cos_sin_cache: torch.Tensor) -> None:
     if query.dim() != 3 or key.dim() != 3:
         raise ValueError(
             f"query and key must be [num_tokens, heads, head_dim], got {tuple(query.shape)} and {tuple(key.shape)}"
@@ -168,15 +186,3 @@ def triton_rotary_embedding(
         )
     if query.stride(-1) != 1 or key.stride(-1) != 1 or cos_sin_cache.stride(-1) != 1:
         raise ValueError("query, key and cos_sin_cache must be contiguous in their last dimension")
-    if num_tokens == 0:
-        return
-    half = rotary_dim // 2
-    _rotary_neox_kernel[(num_tokens,)](
-        query, key, positions, cos_sin_cache,
-        query.stride(0), query.stride(1), key.stride(0), key.stride(1), cos_sin_cache.stride(0),
-        num_heads, key.shape[1], half,
-        Q_HEADS_PAD=triton.next_power_of_2(num_heads),
-        K_HEADS_PAD=triton.next_power_of_2(key.shape[1]),
-        HALF_PAD=triton.next_power_of_2(half),
-        num_warps=4,
-    )

@@ -6,6 +6,8 @@ fp32 the C kernels write the cache and run decode-only steps, the pure-torch ref
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from pagedllm.kernels.metadata import PagedAttentionInputMetadata
@@ -46,10 +48,19 @@ class PagedAttention(Dispatched):
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: PagedAttentionInputMetadata,
+        rope: Any = None,
     ) -> torch.Tensor:
+        """rope (layers/rotary.RotaryTables): rotate q and k at meta.positions first, where
+        the backend can in the same kernel that writes K and V to the cache."""
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        out = self.backend.paged_attention(q, k, v, kv_cache, meta, self.scale,
-                                           self.sliding_window, self.alibi_slopes(q.device))
+        if rope is not None:
+            if self._alibi is not None:
+                raise ValueError("a layer takes either rotary embeddings or ALiBi, not both")
+            out = self.backend.rotary_paged_attention(q, k, v, kv_cache, meta, self.scale,
+                                                      self.sliding_window, rope)
+        else:
+            out = self.backend.paged_attention(q, k, v, kv_cache, meta, self.scale,
+                                               self.sliding_window, self.alibi_slopes(q.device))
         return out.reshape(-1, self.num_heads * self.head_dim)

@@ -60,6 +60,14 @@ class TorchBackend:
         return reference.paged_attention(q, kv_cache, meta, scale, sliding_window, alibi,
                                          key=k, value=v)
 
+    def rotary_paged_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               kv_cache: torch.Tensor, meta: PagedAttentionInputMetadata,
+                               scale: float, sliding_window: int | None, rope: Any
+                               ) -> torch.Tensor:
+        """The rotary embedding of q and k at meta.positions, then paged_attention."""
+        q, k = self.rotary_embedding(meta.positions, q, k, rope, meta)
+        return self.paged_attention(q, k, v, kv_cache, meta, scale, sliding_window, None)
+
 
 class CpuBackend(TorchBackend):
     """The CPU in fp32: the C kernels where the library is built (kernels/cpu/build.py), and
@@ -132,6 +140,18 @@ class TritonBackend(TorchBackend):
 
         triton_write_kv_cache(k, v, kv_cache, meta.slot_mapping)
         return triton_paged_attention(q, kv_cache, meta, scale, sliding_window, alibi,
+                                      num_splits=meta.num_splits)
+
+    def rotary_paged_attention(self, q, k, v, kv_cache, meta, scale, sliding_window, rope):
+        if not all(t.stride(-1) == 1 for t in (q, k, v)):
+            return super().rotary_paged_attention(q, k, v, kv_cache, meta, scale,
+                                                  sliding_window, rope)
+        from pagedllm.kernels.triton_attention import triton_paged_attention
+        from pagedllm.kernels.triton_cache import triton_rotary_write_kv_cache
+
+        triton_rotary_write_kv_cache(meta.positions, q, k, v, kv_cache, meta.slot_mapping,
+                                     rope.cos_sin_cache(q.device))
+        return triton_paged_attention(q, kv_cache, meta, scale, sliding_window, None,
                                       num_splits=meta.num_splits)
 
 

@@ -64,8 +64,8 @@ class LlamaAttention(nn.Module):
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(meta.positions, q, k, meta)
-        out = self.attn(q, k, v.contiguous(), kv_cache, meta)
+        # the attention's backend rotates q and k (with the cache write, where it can)
+        out = self.attn(q, k, v.contiguous(), kv_cache, meta, rope=self.rotary.rope)
         return self.o_proj(out)
 
 
