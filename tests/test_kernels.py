@@ -22,13 +22,19 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 from pagedllm.kernels import triton_attention  # noqa: E402
 from pagedllm.kernels.reference import alibi_slopes, paged_attention, write_kv_cache  # noqa: E402
 from pagedllm.kernels.triton_attention import choose_num_splits, triton_paged_attention  # noqa: E402
-from pagedllm.kernels.triton_cache import triton_write_kv_cache  # noqa: E402
+from pagedllm.kernels.triton_cache import (  # noqa: E402
+    triton_rotary_write_kv_cache,
+    triton_write_kv_cache,
+)
 from pagedllm.kernels.triton_ops import (  # noqa: E402
     triton_rms_norm,
     triton_rotary_embedding,
     triton_silu_and_mul,
 )
 from pagedllm.kernels.metadata import PagedAttentionInputMetadata  # noqa: E402
+from pagedllm.kernels.triton_counters import counters  # noqa: E402
+from pagedllm.kernels.triton_gemv import skinny_matmul  # noqa: E402
+from pagedllm.kernels.triton_sampling import row_argmax_logsumexp  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
@@ -412,3 +418,100 @@ def test_rotary_matches_transformers_llama():
     triton_rotary_embedding(positions.to(DEVICE), q_dev, k_dev, cache.to(DEVICE))
     torch.testing.assert_close(q_dev.cpu(), hf_q[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(k_dev.cpu(), hf_k[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------------------
+# Skinny matmuls (decode linears) and the sampler's row reductions
+# --------------------------------------------------------------------------------------
+
+
+def _fp8_weight(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    from pagedllm.layers.fp8_linear import quantize_rows
+
+    q, s = quantize_rows(torch.randn(n, k, generator=g))
+    return q, s.view(-1)
+
+
+# n not a multiple of BLOCK_N, k not a multiple of BLOCK_K; split 3: K in slices of
+# 512, 512 and 188 (one row) or 256, 256, 188 (the tensor-core path), whose partial sums
+# the last slice's program adds.
+@pytest.mark.parametrize("m, n, k, split", [(1, 40, 200, None), (5, 40, 200, None),
+                                            (16, 40, 200, None), (1, 130, 1212, 3),
+                                            (16, 130, 700, 3), (1, 64, 2048, 4)])
+@pytest.mark.parametrize("weight_type", ["fp16", "fp8"])
+def test_skinny_matmul_matches_fp64(m, n, k, split, weight_type):
+    g = torch.Generator().manual_seed(m + n)
+    # fp16 activations: the interpreter's tl.dot cannot take bf16 (CUDA runs bf16: gpu_check)
+    x = torch.randn(m, k, generator=g).to(torch.float16)
+    if weight_type == "fp8":
+        w, scale = _fp8_weight(n, k, g)
+        dense = w.double() * scale.double()[:, None]
+    else:
+        w, scale = torch.randn(n, k, generator=g).to(torch.float16), None
+        dense = w.double()
+    ref = x.double() @ dense.T
+    got = skinny_matmul(x.to(DEVICE), w.to(DEVICE), None if scale is None else scale.to(DEVICE),
+                        split=split)
+    assert got.dtype == torch.float16 and got.shape == (m, n)
+    # fp32 accumulation, then one rounding to fp16 (11 significant bits)
+    tol = ref.abs() * 2**-10 + 1e-5 * (x.double().abs() @ dense.abs().T)
+    assert ((got.cpu().double() - ref).abs() <= tol).all()
+    # the last program of each column block left its counter at zero for the next call
+    assert not counters("skinny_matmul", torch.device(DEVICE), 1).any()
+    again = skinny_matmul(x.to(DEVICE), w.to(DEVICE),
+                          None if scale is None else scale.to(DEVICE), split=split)
+    assert torch.equal(again, got)
+
+
+def test_skinny_matmul_rejects_what_it_cannot_take():
+    x = torch.zeros(17, 64, dtype=torch.float16, device=DEVICE)
+    w = torch.zeros(8, 64, dtype=torch.float16, device=DEVICE)
+    with pytest.raises(ValueError, match="skinny_matmul takes at most 16 rows, got 17"):
+        skinny_matmul(x, w)
+    with pytest.raises(ValueError, match="does not match x's torch.float16"):
+        skinny_matmul(x[:2], w.float())
+    with pytest.raises(ValueError, match="an FP8 weight takes per-feature scales"):
+        skinny_matmul(x[:2], w, torch.ones(8, device=DEVICE))
+
+
+@pytest.mark.parametrize("rows, vocab, block", [(1, 1000, 4096), (3, 10000, 1024),
+                                                (4, 4096, 512)])
+def test_row_argmax_logsumexp(rows, vocab, block):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, vocab, generator=g) * 4
+    x[0, 7] = x[0, vocab - 3] = 30.0  # a tie across chunks: the first index wins
+    if rows > 1:
+        x[1, vocab // 2:] = float("-inf")  # whole chunks of -inf
+        x[2, 5] = float("-inf")
+    idx, lse = row_argmax_logsumexp(x.to(DEVICE), block)
+    assert torch.equal(idx.cpu(), x.max(dim=-1).indices)
+    torch.testing.assert_close(lse.cpu(), x.logsumexp(dim=-1, keepdim=True), rtol=1e-6, atol=1e-5)
+    assert not counters("row_argmax_logsumexp", torch.device(DEVICE), 1).any()
+
+
+@pytest.mark.parametrize("rotary_dim", [32, 16])  # full and partial rotary
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_write_kv_cache_is_rotary_then_write(rotary_dim, dtype):
+    """The fused kernel gives what the two kernels give one after the other: q and k rotated
+    in place, and the rotated k (with v) in the cache, padding slots untouched."""
+    g = torch.Generator().manual_seed(9)
+    num_tokens, num_heads, kv_heads, head_dim, block_size, num_blocks = 6, 4, 2, 32, 16, 3
+    positions = torch.tensor([0, 5, 17, 3, 40, 8]).to(DEVICE)
+    slots = torch.tensor([4, -1, 20, 33, 0, 47]).to(DEVICE)
+    cache_table = cos_sin_cache(64, rotary_dim).to(DEVICE)
+    qkv = torch.randn(num_tokens, num_heads + 2 * kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    start = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
+
+    def views(t):
+        return t[:, :num_heads], t[:, num_heads:num_heads + kv_heads], t[:, num_heads + kv_heads:]
+
+    want_qkv, want_cache = qkv.clone(), start.clone()
+    q, k, v = views(want_qkv)
+    triton_rotary_embedding(positions, q, k, cache_table)
+    triton_write_kv_cache(k, v, want_cache, slots)
+    got_qkv, got_cache = qkv.clone(), start.clone()
+    triton_rotary_write_kv_cache(positions, *views(got_qkv), got_cache, slots, cache_table)
+    assert torch.equal(got_qkv, want_qkv)
+    assert torch.equal(got_cache, want_cache)
+    assert torch.equal(got_cache.flatten(1, 2)[:, 1], start.flatten(1, 2)[:, 1])  # untouched
+    assert not torch.equal(got_qkv, qkv)
