@@ -8,6 +8,10 @@ with probability p_i). Everything is batched over rows; the only per-row loop is
 that carry their own seeded generator. Per-row parameters reach the device from pinned memory
 without blocking, so the host queues the whole sampling step behind the forward; the one
 transfer that waits is the packed result coming back.
+
+On CUDA, when every row is greedy or plain temperature sampling (one sample, no top-k, top-p
+or min-p), one Triton kernel reads the logits once for the tokens (the race as Gumbel-max
+with Philox noise seeded per row) and the logsumexp (kernels/triton_sampling.py).
 """
 from __future__ import annotations
 
@@ -96,12 +100,11 @@ class Sampler:
         logits = logits.float()
         x = self.process_logits(logits, rows)
         sample_rows = _sample_rows(rows, x.device)
-        argmax = lse = None
-        if logits.is_cuda:  # both reductions in one kernel
-            from pagedllm.kernels.triton_sampling import row_argmax_logsumexp
-
-            argmax, lse = row_argmax_logsumexp(logits)
-        token_ids = _choose_tokens(x, rows, sample_rows, argmax if x is logits else None)
+        token_ids = lse = None
+        if logits.is_cuda:
+            token_ids, lse = _sample_with_triton(logits, x, rows)
+        if token_ids is None:
+            token_ids = _choose_tokens(x, rows, sample_rows)
         with_rank = any(r.params.logprobs is not None for r in rows)
         packed = _pack_logprobs(logits, sample_rows, token_ids, max(num_top), with_rank, lse)
         return SampledBatch(token_ids, packed, rows, num_top)
@@ -217,18 +220,55 @@ def _apply_penalties(x: torch.Tensor, rows: list[SamplingRow]) -> None:
     x[index] = sub
 
 
-def _choose_tokens(x: torch.Tensor, rows: list[SamplingRow], sample_rows: torch.Tensor | None,
-                   argmax: torch.Tensor | None = None) -> torch.Tensor:
-    """[num_samples_total] token ids; greedy samples are the argmax of their row (`argmax`
-    when already computed). Each [rows, vocab] pass costs a read of the whole logits, so none
-    runs that is not needed."""
+def _plain_row(row: SamplingRow, vocab: int) -> bool:
+    """One sample, greedy or at a temperature with no top-k, top-p or min-p cut."""
+    p = row.params
+    return row.num_samples == 1 and (
+        p.sampling_type == SamplingType.GREEDY
+        or ((p.top_k <= 0 or p.top_k >= vocab) and p.top_p >= 1.0 and p.min_p <= 0.0))
+
+
+def _row_seeds(rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
+    """A fresh Philox seed per row for this step: from the row's own generator when it has
+    one (so its draws depend on its seed alone), else from torch's (no host sync)."""
+    seeds = torch.randint(0, 1 << 62, (len(rows),), device=device)
+    for i, row in enumerate(rows):
+        if row.generator is not None:
+            seeds[i] = torch.randint(0, 1 << 62, (1,), generator=row.generator,
+                                     device=row.generator.device)[0]
+    return seeds
+
+
+def _sample_with_triton(logits: torch.Tensor, x: torch.Tensor, rows: list[SamplingRow]
+                        ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """kernels/triton_sampling: the tokens of x's rows when every row is plain (None
+    otherwise: _choose_tokens draws them) and the logsumexp of the raw logits, in one pass
+    over the logits where x is the logits."""
+    from pagedllm.kernels import triton_sampling
+
+    if not all(_plain_row(r, x.shape[1]) for r in rows):
+        return None, triton_sampling.row_argmax_logsumexp(logits)[1]
+    if all(r.params.sampling_type == SamplingType.GREEDY for r in rows):
+        tokens, lse = triton_sampling.row_argmax_logsumexp(x)
+    else:
+        inv_temp = [0.0 if r.params.sampling_type == SamplingType.GREEDY
+                    else 1.0 / r.params.temperature for r in rows]
+        tokens, _, lse = triton_sampling.sample_rows(
+            x, host_to_device(inv_temp, torch.float32, x.device), _row_seeds(rows, x.device))
+    if x is not logits:
+        lse = triton_sampling.row_argmax_logsumexp(logits)[1]
+    return tokens, lse
+
+
+def _choose_tokens(x: torch.Tensor, rows: list[SamplingRow],
+                   sample_rows: torch.Tensor | None) -> torch.Tensor:
+    """[num_samples_total] token ids; greedy samples are the argmax of their row. Each
+    [rows, vocab] pass costs a read of the whole logits, so none runs that is not needed."""
     random_rows = [i for i, r in enumerate(rows) if r.params.sampling_type != SamplingType.GREEDY]
     all_random = len(random_rows) == len(rows)
     if not all_random:
-        if argmax is None:
-            # max(dim) returns the first maximal index, as argmax does, in half its time.
-            argmax = x.max(dim=-1).indices
-        token_ids = _rows_of(argmax, sample_rows)
+        # max(dim) returns the first maximal index, as argmax does, in about half its time.
+        token_ids = _rows_of(x.max(dim=-1).indices, sample_rows)
     if not random_rows:
         return token_ids
     counts = [rows[i].num_samples for i in random_rows]
