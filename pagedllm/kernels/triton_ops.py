@@ -19,13 +19,16 @@ import triton.language as tl
 @triton.jit
 def _rms_norm_kernel(
     out_ptr, residual_out_ptr, x_ptr, residual_ptr, weight_ptr,
-    stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
+    stride_x, stride_xh, heads, stride_r, stride_o, stride_ro, n_cols, eps,
     BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
 ):
+    """Row `row` of x is (row // heads, row % heads) of a [tokens, heads, n_cols] view
+    (heads = 1: plain rows): per-head norms read q and k in place inside the fused qkv."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    x = tl.load(x_ptr + (row // heads) * stride_x + (row % heads) * stride_xh + cols, mask=mask,
+                other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
@@ -57,7 +60,11 @@ def triton_rms_norm(
         raise ValueError(f"weight must have shape ({hidden},), got {tuple(weight.shape)}")
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"residual shape {tuple(residual.shape)} does not match x shape {tuple(x.shape)}")
-    x2 = _rows(x, "x")
+    if x.dim() == 3 and x.stride(-1) == 1 and residual is None:  # no copy of a strided view
+        x2, strides = x, (x.stride(0), x.stride(1), x.shape[1])
+    else:
+        x2 = _rows(x, "x")
+        strides = (x2.stride(0), 0, 1)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     out2 = out.view(-1, hidden)
     if residual is not None:
@@ -66,11 +73,11 @@ def triton_rms_norm(
         ro2 = residual_out.view(-1, hidden)
     else:
         r2 = ro2 = residual_out = x2  # unused
-    if x2.shape[0]:
+    if out2.shape[0]:
         block = triton.next_power_of_2(hidden)
-        _rms_norm_kernel[(x2.shape[0],)](
+        _rms_norm_kernel[(out2.shape[0],)](
             out2, ro2, x2, r2, weight,
-            x2.stride(0), r2.stride(0), out2.stride(0), ro2.stride(0), hidden, eps,
+            *strides, r2.stride(0), out2.stride(0), ro2.stride(0), hidden, eps,
             BLOCK=block, HAS_RESIDUAL=residual is not None,
             num_warps=min(16, max(1, block // 256)),
         )

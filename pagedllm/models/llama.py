@@ -65,7 +65,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         # the attention's backend rotates q and k (with the cache write, where it can)
-        out = self.attn(q, k, v.contiguous(), kv_cache, meta, rope=self.rotary.rope)
+        out = self.attn(q, k, v, kv_cache, meta, rope=self.rotary.rope)
         return self.o_proj(out)
 
 
