@@ -486,7 +486,7 @@ def test_row_argmax_logsumexp(rows, vocab, block):
     idx, lse = row_argmax_logsumexp(x.to(DEVICE), block)
     assert torch.equal(idx.cpu(), x.max(dim=-1).indices)
     torch.testing.assert_close(lse.cpu(), x.logsumexp(dim=-1, keepdim=True), rtol=1e-6, atol=1e-5)
-    assert not counters("row_argmax_logsumexp", torch.device(DEVICE), 1).any()
+    assert not counters("row_stats", torch.device(DEVICE), 1).any()
 
 
 @pytest.mark.parametrize("rotary_dim", [32, 16])  # full and partial rotary
@@ -515,3 +515,96 @@ def test_rotary_write_kv_cache_is_rotary_then_write(rotary_dim, dtype):
     assert torch.equal(got_cache, want_cache)
     assert torch.equal(got_cache.flatten(1, 2)[:, 1], start.flatten(1, 2)[:, 1])  # untouched
     assert not torch.equal(got_qkv, qkv)
+
+
+def test_sample_rows_draws_from_softmax_over_temperature():
+    """Gumbel-max with Philox noise: 200 rows of the same logits (a seed each) hit every
+    token near its softmax(x / T) frequency: 0.866 / 0.016 / 0 / 0.117 at T = 0.5, where
+    no temperature gives 0.665 / 0.090 / 0 / 0.245, T = 2 0.506 / 0.186 / 0 / 0.307, and
+    no noise 1 / 0 / 0 / 0. (The interpreter runs a program in ~25 ms, hence so few rows.)"""
+    from pagedllm.kernels.triton_sampling import sample_rows
+
+    x = torch.tensor([[2.0, 0.0, float("-inf"), 1.0]])
+    n, temperature = 200, 0.5
+    logits = x.expand(n, -1).contiguous().to(DEVICE)
+    inv_temp = torch.full((n,), 1 / temperature).to(DEVICE)
+    seeds = torch.arange(n, dtype=torch.long).mul(7919).add(11).to(DEVICE)
+    tokens, argmax, lse = sample_rows(logits, inv_temp, seeds)
+    freq = torch.bincount(tokens.cpu(), minlength=4).double() / n
+    want = torch.softmax(x[0].double() / temperature, -1)
+    # 4.5 standard deviations of a binomial frequency (a fixed seed set: not flaky)
+    assert ((freq - want).abs() <= 4.5 * (want * (1 - want) / n).sqrt() + 1e-9).all(), (freq, want)
+    assert freq[2] == 0  # a -inf logit is never drawn
+    assert torch.equal(argmax.cpu(), torch.zeros(n, dtype=torch.long))
+    torch.testing.assert_close(lse.cpu(), logits.cpu().logsumexp(-1, keepdim=True))
+    # a row's draw depends on its seed alone: the same seeds in another batch, the same tokens
+    again, _, _ = sample_rows(logits[:5].clone(), inv_temp[:5], seeds[:5])
+    assert torch.equal(again, tokens[:5])
+
+
+def test_sample_rows_over_chunks_and_greedy_rows():
+    """The noise is keyed by (seed, token index): cutting rows into chunks changes nothing,
+    so the chunk merge must give the one-chunk draw; greedy rows (1/T = 0) take the argmax."""
+    from pagedllm.kernels.triton_sampling import sample_rows
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 1000, generator=g).to(DEVICE)
+    inv_temp = torch.tensor([0.0, 1.0, 0.0, 0.5]).to(DEVICE)
+    seeds = torch.tensor([1, 2, 3, 4]).to(DEVICE)
+    whole, argmax, lse = sample_rows(x, inv_temp, seeds, block=1024)
+    chunked, argmax_chunked, lse_chunked = sample_rows(x, inv_temp, seeds, block=128)
+    assert torch.equal(chunked, whole)
+    assert torch.equal(argmax_chunked, argmax)
+    assert torch.equal(argmax.cpu(), x.cpu().max(-1).indices)
+    assert whole[0] == argmax[0] and whole[2] == argmax[2]
+    assert whole[1] != argmax[1] and whole[3] != argmax[3]  # T = 1 and 2: far from greedy
+    torch.testing.assert_close(lse_chunked, lse)
+    assert not counters("row_stats", torch.device(DEVICE), 1).any()
+
+
+def test_sampler_triton_path_rows():
+    """layers/sampler's CUDA path (run here on CPU tensors): greedy and plain-temperature rows
+    come from the kernel, a seeded row's token from its seed alone, the logsumexp from the
+    raw logits even when penalties changed the logits the token is chosen from; a top-p row
+    sends the tokens back to torch's path."""
+    from pagedllm.layers.sampler import SamplingRow, _sample_with_triton, make_generator
+    from pagedllm.sampling_params import SamplingParams
+
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(3, 300, generator=g).to(DEVICE)
+
+    def rows(**random):
+        params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=5, **random),
+                  SamplingParams(temperature=1.2, seed=6)]
+        return [SamplingRow(p, [1], [], generator=make_generator(p.seed, DEVICE) if p.seed else None)
+                for p in params]
+
+    tokens, lse = _sample_with_triton(logits, logits, rows())
+    assert tokens[0] == logits[0].argmax()
+    torch.testing.assert_close(lse.cpu(), logits.cpu().logsumexp(-1, keepdim=True))
+    again, _ = _sample_with_triton(logits, logits, rows())
+    assert torch.equal(again, tokens)  # the same seeds, the same draws
+    x = logits.clone()
+    x[0, tokens[0]] -= 100.0  # as a penalty would
+    moved, lse_raw = _sample_with_triton(logits, x, rows())
+    assert moved[0] != tokens[0] and moved[0] == x[0].argmax()
+    torch.testing.assert_close(lse_raw, lse)
+    fallback, lse_fallback = _sample_with_triton(logits, logits, rows(top_p=0.9))
+    assert fallback is None
+    torch.testing.assert_close(lse_fallback, lse)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_of_heads_inside_a_fused_projection(dtype):
+    """Qwen3's per-head q/k norms read the heads in place in the fused qkv output (a strided
+    [tokens, heads, head_dim] view): the same as on a contiguous copy."""
+    g = torch.Generator().manual_seed(8)
+    qkv = torch.randn(5, 6 * 32, generator=g).to(dtype).to(DEVICE)
+    q = qkv[:, 32:160].reshape(5, 4, 32)  # not viewable as rows: the kernel takes its strides
+    weight = torch.randn(32, generator=g).to(dtype).to(DEVICE)
+    got = triton_rms_norm(q, weight, 1e-6)
+    want = triton_rms_norm(q.contiguous(), weight, 1e-6)
+    assert got.shape == (5, 4, 32) and got.is_contiguous()
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got.float().cpu(), rms_norm_ref(q.cpu(), weight.cpu(), 1e-6).float(),
+                               **TOLERANCE[dtype])
