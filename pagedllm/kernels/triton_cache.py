@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernels.triton_ops import rotate_heads, check_rotary_inputs
+from pagedllm.kernels.triton_ops import check_rotary_inputs, rotate_token
 
 
 @triton.jit
@@ -59,13 +59,9 @@ def _rotary_and_cache_kernel(
     """The rotary embedding of one token's query and key (in place), then its K and V into
     the cache: triton_ops' rotary kernel and the one above in one launch."""
     token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + token).to(tl.int64)
-    cols = tl.arange(0, HALF_PAD)
-    cmask = cols < half
-    cos = tl.load(cos_sin_ptr + pos * stride_cs + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    sin = tl.load(cos_sin_ptr + pos * stride_cs + half + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    rotate_heads(q_ptr, token, stride_qt, stride_qh, num_heads, cos, sin, half, Q_HEADS_PAD, HALF_PAD)
-    rotate_heads(key_ptr, token, stride_kt, stride_kh, NUM_KV_HEADS, cos, sin, half, HEADS_PAD, HALF_PAD)
+    rotate_token(q_ptr, key_ptr, token, positions_ptr, cos_sin_ptr, stride_qt, stride_qh,
+                 stride_kt, stride_kh, stride_cs, num_heads, NUM_KV_HEADS, half, Q_HEADS_PAD,
+                 HEADS_PAD, HALF_PAD)
     tl.debug_barrier()  # the rotated key, stored by other threads, is read back below
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot >= 0:

@@ -135,13 +135,11 @@ def rotate_heads(ptr, token, stride_t, stride_h, num_heads, cos, sin, half,
 
 
 @triton.jit
-def _rotary_neox_kernel(
-    q_ptr, k_ptr, positions_ptr, cos_sin_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
-    num_heads, num_kv_heads, half,
-    Q_HEADS_PAD: tl.constexpr, K_HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
-):
-    token = tl.program_id(0).to(tl.int64)
+def rotate_token(q_ptr, k_ptr, token, positions_ptr, cos_sin_ptr,
+                 stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
+                 num_heads, num_kv_heads, half,
+                 Q_HEADS_PAD: tl.constexpr, K_HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr):
+    """Token `token`'s query and key heads rotated in place at its position."""
     pos = tl.load(positions_ptr + token).to(tl.int64)
     cols = tl.arange(0, HALF_PAD)
     cmask = cols < half
@@ -149,6 +147,18 @@ def _rotary_neox_kernel(
     sin = tl.load(cos_sin_ptr + pos * stride_cs + half + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
     rotate_heads(q_ptr, token, stride_qt, stride_qh, num_heads, cos, sin, half, Q_HEADS_PAD, HALF_PAD)
     rotate_heads(k_ptr, token, stride_kt, stride_kh, num_kv_heads, cos, sin, half, K_HEADS_PAD, HALF_PAD)
+
+
+@triton.jit
+def _rotary_neox_kernel(
+    q_ptr, k_ptr, positions_ptr, cos_sin_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
+    num_heads, num_kv_heads, half,
+    Q_HEADS_PAD: tl.constexpr, K_HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
+):
+    rotate_token(q_ptr, k_ptr, tl.program_id(0).to(tl.int64), positions_ptr, cos_sin_ptr,
+                 stride_qt, stride_qh, stride_kt, stride_kh, stride_cs, num_heads, num_kv_heads,
+                 half, Q_HEADS_PAD, K_HEADS_PAD, HALF_PAD)
 
 
 def triton_rotary_embedding(
