@@ -79,7 +79,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def _skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                    ) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] > SKINNY_MAX_ROWS or rows.shape[0] == 0:
+    if rows.shape[0] > SKINNY_MAX_ROWS or rows.shape[0] == 0 or not weight.is_contiguous():
         return F.linear(x, weight, bias)
     from pagedllm.kernels.triton_gemv import skinny_matmul  # Triton only where it runs
 
