@@ -96,6 +96,26 @@ def test_tiny_model_mixed_step_takes_the_per_op_path(tiny):
     assert_close(got, want)
 
 
+def test_moved_weights_are_picked_up(tiny):
+    """The fused step points at the weights' memory: a weight replaced after a fused step
+    (its old memory then zeroed) must be the one the next fused step reads."""
+    both = PerOpAndFused(tiny)
+    both.step({0: [1, 2, 3]})
+    assert both.step({0: [4]})[2] == 1
+    for module in (tiny.layers[1].mlp.down_proj, tiny.layers[0].input_layernorm):
+        name = "qweight" if hasattr(module, "qweight") else "weight"
+        old = getattr(module, name)
+        if name == "qweight":
+            module.qweight = old.clone()
+        else:
+            module.weight = torch.nn.Parameter(old.detach().clone(), requires_grad=False)
+        with torch.no_grad():
+            old.zero_()
+        want, got, fused = both.step({0: [5]})
+        assert fused == 1
+        assert_close(got, want)
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # q|k|v bias; per-head q/k norms
 def test_models_the_fused_step_does_not_cover_take_the_per_op_path(tmp_path, arch):
     llm = tiny_llm(tmp_path, arch)
