@@ -137,6 +137,15 @@ def test_layers_off_the_c_kernels_take_the_per_op_path(tmp_path):
     assert model.cpu_decode.steps == 0
 
 
+def test_layers_split_by_a_device_map_take_the_per_op_path(tmp_path):
+    llm = tiny_llm(tmp_path, device_map="cpu:1,cpu:1")
+    model = llm.engine.worker.model
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4,
+                                                   ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    assert model.cpu_decode.steps == 0
+
+
 # ----------------------------------------------------------------------------- default model
 
 
