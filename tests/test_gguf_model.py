@@ -65,6 +65,10 @@ def write_mixed_gguf(path: Path, arch: str, tied: bool) -> None:
         if arch == "qwen2":
             for part, rows in (("attn_q", q), ("attn_k", kv), ("attn_v", kv)):
                 w.add_tensor(f"blk.{i}.{part}.bias", rng.standard_normal(rows).astype(np.float32))
+        if arch == "qwen3":  # per-head q/k RMSNorm
+            for norm in ("attn_q_norm", "attn_k_norm"):
+                w.add_tensor(f"blk.{i}.{norm}.weight",
+                             (1 + 0.1 * rng.standard_normal(HEAD_DIM)).astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

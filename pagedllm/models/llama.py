@@ -6,6 +6,8 @@ cache of each layer (see pagedllm/kernels/metadata.py).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -20,6 +22,7 @@ from pagedllm.layers.parallel_linear import (
 from pagedllm.layers.norms import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.models.base import CausalLM
+from pagedllm.models.cpu_decode import CpuFusedDecode
 
 
 class LlamaAttention(nn.Module):
@@ -138,9 +141,21 @@ class LlamaForCausalLM(CausalLM):
     def run_layers(self, layers: range, state: tuple, kv_caches: list[torch.Tensor],
                    meta: PagedAttentionInputMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, residual = state
+        if self.fused_decode_enabled and layers == range(len(self.layers)):
+            fused = self.cpu_decode.run(hidden, residual, kv_caches, meta)
+            if fused is not None:
+                return fused
         for i in layers:
             hidden, residual = self.layers[i](hidden, residual, kv_caches[i], meta)
         return hidden, residual
+
+    # A CPU decode step with GGUF-packed weights runs every layer in one C call
+    # (models/cpu_decode.py); tests turn it off to compare with the per-op path.
+    fused_decode_enabled = True
+
+    @functools.cached_property
+    def cpu_decode(self) -> CpuFusedDecode:
+        return CpuFusedDecode(self)
 
     def final_norm(self, state: tuple) -> torch.Tensor:
         hidden, residual = state

@@ -5,7 +5,8 @@
  * writes and reads the whole context twice more than it has to. Here each sequence reads its
  * own keys and values once, block by block, through its block table, and its query heads
  * share every key and value row they read (grouped-query attention). One OpenMP task per
- * sequence; fp32 accumulation throughout.
+ * sequence and KV head (so that one sequence's heads spread over the threads too); fp32
+ * accumulation throughout.
  *
  * Layout (see kernels/metadata.py): key_cache and value_cache [num_blocks, block_size,
  * num_kv_heads, head_dim]; query and out [num_seqs, num_heads, head_dim], one query token
@@ -17,6 +18,9 @@
 #include <string.h>
 
 #include "vector_math.h"
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 static inline float dot(const float *a, const float *b, int64_t n) {
 #if defined(__AVX512F__)
@@ -28,6 +32,19 @@ static inline float dot(const float *a, const float *b, int64_t n) {
                                    acc1);
         }
         return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    if (n % 16 == 0) {
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        for (int64_t i = 0; i < n; i += 16) {
+            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8),
+                                   acc1);
+        }
+        __m256 v = _mm256_add_ps(acc0, acc1);
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
     }
 #endif
     float acc = 0.0f;
@@ -43,6 +60,14 @@ static inline void axpy(float *y, float a, const float *x, int64_t n) {
         for (int64_t i = 0; i < n; i += 16)
             _mm512_storeu_ps(y + i,
                              _mm512_fmadd_ps(va, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+        return;
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    if (n % 8 == 0) {
+        const __m256 va = _mm256_set1_ps(a);
+        for (int64_t i = 0; i < n; i += 8)
+            _mm256_storeu_ps(y + i,
+                             _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
         return;
     }
 #endif
@@ -61,30 +86,29 @@ static inline const float *block_run(const float *cache, const int32_t *table, i
     return cache + ((int64_t)table[t / block_size] * block_size + offset) * token_stride;
 }
 
-/* One sequence: scores [num_heads, len] of scratch, then out[h] = softmax(scores[h]) . V. */
-static void attend_one(float *out, const float *q, const float *key_cache,
-                       const float *value_cache, const int32_t *table, int64_t len,
-                       int64_t start, int64_t num_heads, int64_t num_kv_heads,
-                       int64_t head_dim, int64_t block_size, float scale, const float *alibi,
-                       float *scores) {
-    const int64_t group = num_heads / num_kv_heads;
+/* One sequence's query heads of KV head g (the `group` heads h0 = g * group ...): scores
+ * [group, len] of scratch, then out[h] = softmax(scores[h]) . V. q and out point at head h0. */
+static void attend_group(float *out, const float *q, const float *key_cache,
+                         const float *value_cache, const int32_t *table, int64_t len,
+                         int64_t start, int64_t g, int64_t group, int64_t num_kv_heads,
+                         int64_t head_dim, int64_t block_size, float scale, const float *alibi,
+                         float *scores) {
     const int64_t token_stride = num_kv_heads * head_dim;
     const int64_t span = len - start;
     for (int64_t t = start, end; t < len;) {
         const float *k = block_run(key_cache, table, t, len, block_size, token_stride, &end);
         for (; t < end; t++, k += token_stride) {
             float *s = scores + (t - start);
-            for (int64_t g = 0, h = 0; g < num_kv_heads; g++)
-                for (int64_t j = 0; j < group; j++, h++)
-                    s[h * span] = dot(q + h * head_dim, k + g * head_dim, head_dim) * scale;
+            for (int64_t j = 0; j < group; j++)
+                s[j * span] = dot(q + j * head_dim, k + g * head_dim, head_dim) * scale;
         }
     }
     if (alibi)
-        for (int64_t h = 0; h < num_heads; h++)
+        for (int64_t j = 0; j < group; j++)
             for (int64_t t = start; t < len; t++)
-                scores[h * span + (t - start)] += alibi[h] * (float)(t - (len - 1));
-    for (int64_t h = 0; h < num_heads; h++) {
-        float *p = scores + h * span;
+                scores[j * span + (t - start)] += alibi[g * group + j] * (float)(t - (len - 1));
+    for (int64_t j = 0; j < group; j++) {
+        float *p = scores + j * span;
         float max = -INFINITY, sum = 0.0f;
 #pragma omp simd reduction(max : max)
         for (int64_t i = 0; i < span; i++) max = p[i] > max ? p[i] : max;
@@ -106,18 +130,19 @@ static void attend_one(float *out, const float *q, const float *key_cache,
 #pragma omp simd
         for (int64_t i = 0; i < span; i++) p[i] *= inv;
     }
-    memset(out, 0, sizeof(float) * num_heads * head_dim);
+    memset(out, 0, sizeof(float) * group * head_dim);
     for (int64_t t = start, end; t < len;) {
         const float *v = block_run(value_cache, table, t, len, block_size, token_stride, &end);
         for (; t < end; t++, v += token_stride) {
             const float *p = scores + (t - start);
-            for (int64_t g = 0, h = 0; g < num_kv_heads; g++)
-                for (int64_t j = 0; j < group; j++, h++)
-                    axpy(out + h * head_dim, p[h * span], v + g * head_dim, head_dim);
+            for (int64_t j = 0; j < group; j++)
+                axpy(out + j * head_dim, p[j * span], v + g * head_dim, head_dim);
         }
     }
 }
 
+/* One OpenMP task per (sequence, KV head): a single sequence's heads spread over the
+ * threads too. Each query head's arithmetic is the same however the tasks fall. */
 void paged_attention_decode_f32(float *out, const float *query, const float *key_cache,
                                 const float *value_cache, const int32_t *block_tables,
                                 int64_t table_stride, const int32_t *seq_lens,
@@ -125,17 +150,20 @@ void paged_attention_decode_f32(float *out, const float *query, const float *key
                                 int64_t head_dim, int64_t block_size, float scale,
                                 int64_t sliding_window, const float *alibi,
                                 int64_t max_seq_len, int64_t num_threads) {
-#pragma omp parallel num_threads(num_threads)
+    const int64_t group = num_heads / num_kv_heads, tasks = num_seqs * num_kv_heads;
+#pragma omp parallel num_threads(num_threads) if (tasks > 1)
     {
-        float *scores = malloc(sizeof(float) * num_heads * (max_seq_len > 0 ? max_seq_len : 1));
+        float *scores = malloc(sizeof(float) * group * (max_seq_len > 0 ? max_seq_len : 1));
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t s = 0; s < num_seqs; s++) {
+        for (int64_t task = 0; task < tasks; task++) {
+            const int64_t s = task / num_kv_heads, g = task % num_kv_heads;
             const int64_t len = seq_lens[s];
             const int64_t start =
                 sliding_window > 0 && len > sliding_window ? len - sliding_window : 0;
-            attend_one(out + s * num_heads * head_dim, query + s * num_heads * head_dim,
-                       key_cache, value_cache, block_tables + s * table_stride, len, start,
-                       num_heads, num_kv_heads, head_dim, block_size, scale, alibi, scores);
+            const int64_t offset = (s * num_heads + g * group) * head_dim;
+            attend_group(out + offset, query + offset, key_cache, value_cache,
+                         block_tables + s * table_stride, len, start, g, group, num_kv_heads,
+                         head_dim, block_size, scale, alibi, scores);
         }
         free(scores);
     }
