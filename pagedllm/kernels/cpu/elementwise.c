@@ -3,6 +3,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "kernels.h"
 #include "vector_math.h"
 
 /* RMSNorm, optionally after adding the residual: with residual_in, sum = x + residual_in is

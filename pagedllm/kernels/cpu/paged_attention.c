@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
 #include "vector_math.h"
 #if defined(__AVX2__) && !defined(__AVX512F__)
 #include <immintrin.h>
@@ -41,10 +42,7 @@ static inline float dot(const float *a, const float *b, int64_t n) {
             acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8),
                                    acc1);
         }
-        __m256 v = _mm256_add_ps(acc0, acc1);
-        __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+        return hsum256(_mm256_add_ps(acc0, acc1));
     }
 #endif
     float acc = 0.0f;

@@ -28,6 +28,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
+#include "vector_math.h"
+
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -285,12 +288,6 @@ void gguf_get_rows_f32(float *out, const uint8_t *w, int64_t qtype, int64_t k,
 #define KC 1024  /* k per chunk of dequantized weight rows */
 
 #ifdef QUANT_AVX2
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 /* ---- the tiled path for four or more activation rows. The activations are transposed
  * once per call into xt [k, rows_padded] (rows padded to a multiple of 8 with zeros), so
@@ -523,7 +520,7 @@ static inline __attribute__((always_inline)) void int_rows(int64_t QT, const uin
     }
     if (j < nb) int_block(QT, row, j, x, NR, even, corr_even);
     for (int r = 0; r < NR; r++)
-        out[r * ldo] = hsum(_mm256_add_ps(even[r], odd[r])) + (corr_even[r] + corr_odd[r]);
+        out[r * ldo] = hsum256(_mm256_add_ps(even[r], odd[r])) + (corr_even[r] + corr_odd[r]);
 }
 
 static void int_matmul(float *out, int64_t ldo, const float *x, int64_t ldx, int64_t rows,

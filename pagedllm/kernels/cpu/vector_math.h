@@ -1,4 +1,6 @@
-/* exp for 16 floats at once (AVX-512): the C library's expf is scalar. Cephes' single
+/* Vector helpers shared by the C kernels.
+ *
+ * exp512: exp for 16 floats at once (AVX-512): the C library's expf is scalar. Cephes' single
  * precision method: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by a degree-7 polynomial,
  * then scaled by 2^n. Within 2 ulp of expf over the whole float range. */
 #ifndef PAGEDLLM_VECTOR_MATH_H
@@ -22,6 +24,18 @@ static inline __m512 exp512(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
     p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
     return _mm512_scalef_ps(p, n);
+}
+#endif
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+
+/* The sum of 8 floats. */
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
 }
 #endif
 

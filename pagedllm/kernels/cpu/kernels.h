@@ -1,0 +1,32 @@
+/* The kernels one file of this library calls in another (fused_decode.c composes them).
+ * Each defining file includes this header too, so the compiler checks every prototype
+ * against its definition. */
+#ifndef PAGEDLLM_KERNELS_H
+#define PAGEDLLM_KERNELS_H
+
+#include <stdint.h>
+
+void gguf_matmul_f32(float *out, int64_t ldo, const float *x, int64_t ldx, int64_t rows,
+                     const uint8_t *w, int64_t qtype, int64_t n, int64_t k,
+                     int64_t num_threads);
+void rms_norm_f32(float *out, float *residual_out, const float *x, const float *residual_in,
+                  const float *weight, int64_t rows, int64_t dim, float eps,
+                  int64_t num_threads);
+void rotary_embedding_f32(float *q, int64_t q_stride, float *k, int64_t k_stride,
+                          const int64_t *positions, const float *cos, const float *sin,
+                          int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
+                          int64_t head_dim, int64_t num_threads);
+void silu_and_mul_f32(float *out, const float *x, int64_t rows, int64_t dim,
+                      int64_t num_threads);
+void write_kv_cache_f32(float *key_cache, float *value_cache, const float *key,
+                        int64_t key_stride, const float *value, int64_t value_stride,
+                        const int64_t *slots, int64_t num_tokens, int64_t row);
+void paged_attention_decode_f32(float *out, const float *query, const float *key_cache,
+                                const float *value_cache, const int32_t *block_tables,
+                                int64_t table_stride, const int32_t *seq_lens,
+                                int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                                int64_t head_dim, int64_t block_size, float scale,
+                                int64_t sliding_window, const float *alibi,
+                                int64_t max_seq_len, int64_t num_threads);
+
+#endif
