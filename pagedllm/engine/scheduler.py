@@ -245,7 +245,7 @@ class Scheduler:
             if seq.status is not RUNNING:
                 continue  # aborted since
             num_live += 1
-            if self._reads_own_output(group, seq) or (
+            if self._reads_own_output(group) or (
                     group.sampling_params.structured_outputs is not None and not structured_ok):
                 return None
             if self._one_step_at_a_time(group, seq):
@@ -273,7 +273,7 @@ class Scheduler:
         return out
 
     @staticmethod
-    def _reads_own_output(group: SequenceGroup, seq: Sequence) -> bool:
+    def _reads_own_output(group: SequenceGroup) -> bool:
         """Sampling that needs this sequence's latest tokens on the host before its step is
         launched (penalties) or forks it (best_of/n at a first sample)."""
         p = group.sampling_params
@@ -304,7 +304,7 @@ class Scheduler:
             if len(group.seqs_dict) != 1:
                 return 1
             (seq,) = group.seqs_dict.values()
-            if seq.num_uncomputed_tokens != 1 or self._reads_own_output(group, seq) or \
+            if seq.num_uncomputed_tokens != 1 or self._reads_own_output(group) or \
                     self._one_step_at_a_time(group, seq):
                 return 1
             room = max_len - seq.get_len() + 1

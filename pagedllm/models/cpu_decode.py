@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from pagedllm.distributed import parallel_state as ps
-from pagedllm.kernels.cpu import fused_decode
+from pagedllm.kernels.cpu import fused_decode, is_decode_step
 from pagedllm.kernels.metadata import PagedAttentionInputMetadata
 from pagedllm.layers.dispatch import Dispatched
 from pagedllm.layers.gguf_linear import MAX_PACKED_ROWS, GGUFLinear
@@ -34,9 +34,8 @@ class CpuFusedDecode:
             kv_caches: list[torch.Tensor], meta: PagedAttentionInputMetadata
             ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The state after every layer, or None: the step is not one this covers."""
-        rows = hidden.shape[0]
-        if not (meta.is_decode_only and rows == meta.num_seqs and 1 <= rows <= MAX_PACKED_ROWS
-                and self.supported()):
+        if not (self.supported() and is_decode_step(hidden, meta)
+                and 1 <= hidden.shape[0] <= MAX_PACKED_ROWS):
             return None
         if hidden.dtype != torch.float32 or hidden.device.type != "cpu":
             return None

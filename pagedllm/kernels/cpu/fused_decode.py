@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.kernels.cpu import is_decode_step
 from pagedllm.kernels.cpu.build import load_library
 from pagedllm.kernels.metadata import PagedAttentionInputMetadata
 
@@ -129,7 +130,7 @@ def decode_layers(model: DecodeModel, hidden: torch.Tensor, residual: torch.Tens
     """(hidden, residual) [rows, hidden] after every layer of `model`, for a decode step
     (one token per sequence; residual None before the first layer). Writes the step's K/V
     into the layers' caches."""
-    if not (meta.is_decode_only and hidden.shape[0] == meta.num_seqs):
+    if not is_decode_step(hidden, meta):
         raise ValueError("decode_layers takes decode-only steps (one token per sequence)")
     if hidden.dtype != torch.float32 or hidden.shape[1:] != (model.shape.hidden,):
         raise ValueError(f"decode_layers takes fp32 [rows, {model.shape.hidden}] hidden states")
