@@ -6,8 +6,11 @@ then greedy agreement with bf16 on real weights.
 1. Kernels, for each Llama-3-8B linear (qkv, o, gate_up, down) and batch rows M in (1, 4,
    16, 64, 512): FP8Linear against its fp32 emulation (the same quantized operands) and
    against bf16 F.linear; times (triton.testing.do_bench) of bf16 F.linear, the skinny
-   Triton kernel on the FP8 weight (M <= 16), _scaled_mm with per-row activation quantization (the Triton
-   quantize_rows kernel + torch._scaled_mm), and what FP8Linear picks; weight GB/s.
+   Triton kernel on the FP8 weight (M <= 16), _scaled_mm with per-row activation
+   quantization (the Triton quantize_rows kernel + torch._scaled_mm), and what FP8Linear
+   picks; weight GB/s. These are single eager calls: a Triton launch from Python costs tens
+   of microseconds, so small kernels read slow here; decode runs them inside CUDA graphs
+   (scripts/gpu_gemv_tune.py times them that way).
 2. Agreement on real weights: the default SmolLM2-135M GGUF on CUDA, bf16 vs fp8, 16 prompts
    x 32 greedy tokens (common prefix per prompt, and the largest |logprob| difference of the
    tokens both chose while their contexts still agreed).
@@ -61,20 +64,20 @@ def check_and_time() -> list[dict]:
             t_fp8 = triton.testing.do_bench(lambda: fp8(x))
             t_scaled = triton.testing.do_bench(
                 lambda: fp8._scaled_mm(*triton_fp8.quantize_rows(x), x.dtype))
-            t_w8a16 = (triton.testing.do_bench(
+            t_skinny = (triton.testing.do_bench(
                 lambda: triton_gemv.skinny_matmul(x, wq, ws.view(-1)))
                 if m <= triton_gemv.MAX_ROWS else None)
             row = {"linear": name, "n": n, "k": k, "m": m, "max_err_vs_emulation": err,
                    "rel_err_vs_bf16": rel_bf16, "bf16_us": t_bf16 * 1e3, "fp8_us": t_fp8 * 1e3,
                    "scaled_mm_us": t_scaled * 1e3,
-                   "w8a16_us": None if t_w8a16 is None else t_w8a16 * 1e3,
+                   "skinny_us": None if t_skinny is None else t_skinny * 1e3,
                    "fp8_weight_gb_s": n * k / (t_fp8 * 1e-3) / 1e9,
                    "bf16_weight_gb_s": 2 * n * k / (t_bf16 * 1e-3) / 1e9,
                    "ok": err < 2e-2 and rel_bf16 < 0.08}
             rows.append(row)
-            w8 = "-" if t_w8a16 is None else f"{t_w8a16 * 1e3:8.1f}"
+            w8 = "-" if t_skinny is None else f"{t_skinny * 1e3:8.1f}"
             print(f"{name:8s} m={m:4d}  bf16 {t_bf16 * 1e3:8.1f} us  fp8 {t_fp8 * 1e3:8.1f} us  "
-                  f"(w8a16 {w8}, scaled_mm {t_scaled * 1e3:8.1f})  speedup "
+                  f"(skinny {w8}, scaled_mm {t_scaled * 1e3:8.1f})  speedup "
                   f"{t_bf16 / t_fp8:5.2f}x  err {err:.1e}  vs bf16 {rel_bf16:.3f}"
                   f"  {'ok' if row['ok'] else 'FAIL'}", flush=True)
         del linear, fp8
