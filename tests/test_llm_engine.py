@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pagedllm import SamplingParams
-from tests.paged_helpers import NEAR_TIE_ACROSS_BATCH_SHAPES, PagedRunner
+from tests.paged_helpers import NEAR_TIE_ACROSS_BATCH_SHAPES, PagedRunner, assert_same_greedy
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived"
 
@@ -206,12 +206,34 @@ def test_multi_step_decoding_gives_the_single_step_results(default_llm, monkeypa
     _no_leaks(default_llm)
 
 
+def test_min_tokens_counts_every_step_of_a_window(default_llm, monkeypatch):
+    """A pending min_tokens keeps EOS out of each step of a decode window, and lets it in
+    at the step where the count is reached (the worker counts the window's steps): with
+    EOS favoured by a large logit_bias, the output is min_tokens tokens then EOS, as single
+    steps give it."""
+    engine = default_llm.engine
+    bias = {e: 100.0 for e in engine.eos_token_ids}
+    params = SamplingParams(temperature=0.0, max_tokens=24, min_tokens=10, logprobs=2,
+                            logit_bias=bias)
+    single = default_llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
+    runs = _record_multi_step_runs(engine, monkeypatch)
+    monkeypatch.setattr(engine, "num_scheduler_steps", 4)
+    multi = default_llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
+    assert 4 in runs  # the prefill's token, then windows of 4: steps 9-12 cross min_tokens
+    for out in (single, multi):
+        assert len(out.token_ids) == 11 and out.finish_reason == "stop"
+        assert out.token_ids[-1] in engine.eos_token_ids
+        assert not set(out.token_ids[:10]) & engine.eos_token_ids
+    steps = [{t: lp.logprob for t, lp in step.items()} for step in single.logprobs]
+    assert_same_greedy(multi.token_ids, single.token_ids, steps, NEAR_TIE_ACROSS_BATCH_SHAPES)
+    _no_leaks(default_llm)
+
+
 def test_requests_that_read_their_own_output_decode_one_step_at_a_time(default_llm, monkeypatch):
     engine = default_llm.engine
     monkeypatch.setattr(engine, "num_scheduler_steps", 4)
     runs = _record_multi_step_runs(engine, monkeypatch)
     for params in (SamplingParams(temperature=0.0, max_tokens=6, repetition_penalty=1.2),
-                   SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6),
                    SamplingParams(temperature=0.0, max_tokens=6, n=2)):
         default_llm.generate(PROMPT, params, use_tqdm=False)
     assert runs == []

@@ -314,24 +314,25 @@ def test_no_continuation_for_sampling_that_reads_its_own_output(params):
     assert s.schedule_continuation(s.schedule(), 1) is None
 
 
-def test_one_step_continuations_for_min_tokens_and_structured_outputs():
-    """A pending min_tokens needs only the count, a grammar its mask after the launch: such
-    sequences go on one step at a time (structured ones only where the worker can take the
-    masks later)."""
+def test_windows_and_continuations_for_min_tokens_and_structured_outputs():
+    """A pending min_tokens needs only the count (the worker counts each step), a grammar
+    its masks step by step after the launch: such sequences decode in windows, and go on
+    in continuations, structured ones only where the worker takes masks after the launch
+    (`structured_ok`); otherwise one step per schedule, none launched ahead."""
     s, _ = scheduler_with([[1] * 5], max_tokens=20, min_tokens=5)
     decode_once(s)
     prev = s.schedule(max_num_steps=4)
-    assert prev.num_steps == 1
+    assert prev.num_steps == 4
     nxt = s.schedule_continuation(prev, 4)
-    assert nxt is not None and nxt.num_steps == 1
-    s, _ = scheduler_with([[1] * 5], max_tokens=20,
-                          structured_outputs=StructuredOutputsParams(regex="[a-z]+"))
-    decode_once(s)
-    prev = s.schedule(max_num_steps=4)
-    assert prev.num_steps == 1
-    assert s.schedule_continuation(prev, 4) is None
-    nxt = s.schedule_continuation(prev, 4, structured_ok=True)
-    assert nxt is not None and nxt.num_steps == 1
+    assert nxt is not None and nxt.num_steps == 4
+    for structured_ok, steps in ((False, 1), (True, 4)):
+        s, _ = scheduler_with([[1] * 5], max_tokens=20,
+                              structured_outputs=StructuredOutputsParams(regex="[a-z]+"))
+        decode_once(s)
+        prev = s.schedule(max_num_steps=4, structured_ok=structured_ok)
+        assert prev.num_steps == steps
+        nxt = s.schedule_continuation(prev, 4, structured_ok=structured_ok)
+        assert (nxt.num_steps if nxt else None) == (4 if structured_ok else None)
 
 
 def test_no_continuation_after_a_prefill_or_when_the_slots_do_not_fit():

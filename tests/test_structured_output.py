@@ -241,12 +241,12 @@ def test_bitmask_masks_only_its_rows():
 
 
 def test_multi_step_and_async_scheduling_with_constraints(llm, monkeypatch):
-    """CUDA's engine order on the CPU: decode windows of 4 steps, launched ahead. While a
-    constrained sequence runs every step is a single one (its mask needs the last token),
-    still launched ahead: its masks are filled once the last step's tokens are in, before
-    it samples. Once the constrained sequences are gone the plain ones get their windows
-    back. Greedy output is the synchronous single steps' output."""
-    from pagedllm.worker.model_runner import DeferredSampling
+    """CUDA's engine order on the CPU: decode windows of 4 steps, launched ahead, with the
+    constrained sequences in them: each step of a window samples once the step before's
+    tokens advanced the grammars (its mask filled then), and a window launched ahead gets
+    its first masks once the window before has sampled. Greedy output is the synchronous
+    single steps' output."""
+    from pagedllm.worker.model_runner import DecodeWindow
 
     prompts = [chat(llm, "Count to twenty."), chat(llm, "Give a code."),
                chat(llm, "Describe a cat as a JSON object.")]
@@ -261,31 +261,62 @@ def test_multi_step_and_async_scheduling_with_constraints(llm, monkeypatch):
     engine = llm.engine
     monkeypatch.setattr(engine, "num_scheduler_steps", 4)
     monkeypatch.setattr(engine, "async_scheduling", True)
-    windows, deferred = [], []
-    launch, sample = engine._launch, DeferredSampling.sample_with_bitmask
+    windows, masked = [], []
+    launch, sample = engine._launch, DecodeWindow.sample_with_bitmask
 
     def record(out, defer_masks=False):
-        windows.append((out.num_steps, bool(engine.structured)))
+        windows.append((out.num_steps, bool(engine.structured), defer_masks))
         return launch(out, defer_masks)
 
     def count(self, bitmask, rows):
-        deferred.append(len(rows))
+        masked.append(len(rows))
         return sample(self, bitmask, rows)
 
     monkeypatch.setattr(engine, "_launch", record)
-    monkeypatch.setattr(DeferredSampling, "sample_with_bitmask", count)
+    monkeypatch.setattr(DecodeWindow, "sample_with_bitmask", count)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert re.fullmatch(r"[A-Z]{3}-\d{4}", outs[1].outputs[0].text)
     jsonschema.validate(json.loads(outs[2].outputs[0].text), PERSON)
     assert len(outs[0].outputs[0].token_ids) == plain_tokens
-    assert all(steps == 1 for steps, constrained in windows if constrained)
-    assert any(steps == 4 for steps, constrained in windows if not constrained)
-    assert len(deferred) >= 10 and max(deferred) == 2  # launched ahead, masks after
+    assert any(steps == 4 and defer for steps, constrained, defer in windows if constrained)
+    assert any(steps == 4 for steps, constrained, _ in windows if not constrained)
+    # each window step with constrained rows sampled under masks, 2 rows while both ran
+    assert len(masked) >= 10 and max(masked) == 2
     for got, want in zip(outs, sync):
         steps = [{t: lp.logprob for t, lp in step.items()} for step in want.outputs[0].logprobs]
         assert_same_greedy(got.outputs[0].token_ids, want.outputs[0].token_ids, steps,
                            NEAR_TIE_ACROSS_BATCH_SHAPES)
-    assert engine._in_flight is None
+    assert engine._in_flight is None and not engine.structured._ahead
+    _no_leaks(llm)
+
+
+def test_sampled_constraints_in_decode_windows_always_validate(llm, monkeypatch):
+    """Sampled at temperature 1 in windows of 4 steps launched ahead, beside unconstrained
+    rows: every JSON output validates, every regex output matches; nothing consumed ahead
+    is left once the requests are done."""
+    engine = llm.engine
+    monkeypatch.setattr(engine, "num_scheduler_steps", 4)
+    monkeypatch.setattr(engine, "async_scheduling", True)
+    pattern = r"[A-Z]{2}-\d{3}(-[a-z]{1,4})?"
+    prompts, params = [], []
+    for i in range(12):
+        prompts.append(chat(llm, f"Describe {SUBJECTS[i % 10]} (number {i}) as a JSON object."))
+        params.append(SamplingParams(temperature=1.0, max_tokens=PERSON_MAX_TOKENS,
+                                     structured_outputs=StructuredOutputsParams(json=PERSON)))
+    for i in range(6):
+        prompts.append(chat(llm, f"Give a code for {SUBJECTS[i]}."))
+        params.append(SamplingParams(temperature=1.0, max_tokens=20,
+                                     structured_outputs=StructuredOutputsParams(regex=pattern)))
+        prompts.append(chat(llm, f"Tell a story about {SUBJECTS[i]}."))
+        params.append(SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True))
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for out in outs[:12]:
+        assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
+        jsonschema.validate(json.loads(out.outputs[0].text), PERSON)
+    for out in outs[12::2]:
+        assert re.fullmatch(pattern, out.outputs[0].text), out.outputs[0].text
+    assert all(len(out.outputs[0].token_ids) == 30 for out in outs[13::2])
+    assert not engine.structured._ahead
     _no_leaks(llm)
 
 

@@ -20,6 +20,7 @@ import argparse
 import gc
 import json
 import random
+import re
 import statistics
 import sys
 import time
@@ -787,6 +788,18 @@ STRUCTURED_JSON = {
 }
 
 
+def _follows(constraint: str, output: Any) -> bool:
+    """The output obeys its constraint: the free-text regex, or (json) an object that
+    parses and has the schema's required keys."""
+    if constraint == "text":
+        return re.fullmatch(STRUCTURED_TEXT, output.text) is not None
+    try:
+        value = json.loads(output.text)
+    except ValueError:
+        return False
+    return isinstance(value, dict) and set(STRUCTURED_JSON["required"]) <= set(value)
+
+
 def bench_structured(args: argparse.Namespace) -> Report:
     """Per batch size: the same prompts unconstrained (ignore_eos, --max-tokens each) and
     with --constrained-fraction of them under a grammar. With --constraint text the
@@ -863,6 +876,11 @@ def bench_structured(args: argparse.Namespace) -> Report:
             * 1e6 / constrained_tokens)
         summary[f"batch {batch}: host mask fill + matcher advance per constrained token (us)"] = (
             (structured.host_seconds - host_before) * 1e6 / (constrained_tokens * args.repeats))
+        # json outputs cut at --max-tokens cannot parse: the finished ones are checked
+        checked = [o.outputs[0] for o in outs[:k]
+                   if args.constraint == "text" or o.outputs[0].finish_reason == "stop"]
+        summary[f"batch {batch}: constrained outputs valid"] = \
+            f"{sum(_follows(args.constraint, c) for c in checked)}/{len(checked)}"
     llm.engine.shutdown()
     del llm
     free_memory()

@@ -78,6 +78,11 @@ class _InFlight:
     batch: StepBatch
 
 
+def _has_running(out: SchedulerOutput) -> bool:
+    return any(seq.status is RUNNING for scheduled in out.scheduled_seq_groups
+               for seq in scheduled.seq_group.seqs_dict.values())
+
+
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
@@ -232,7 +237,8 @@ class LLMEngine:
         running, self._in_flight = self._in_flight, None
         if running is None:
             speculate = self._speculation_on()
-            out = self.scheduler.schedule(1 if speculate else self.num_scheduler_steps)
+            out = self.scheduler.schedule(1 if speculate else self.num_scheduler_steps,
+                                          structured_ok=self.worker.defers_token_bitmask)
             for group in out.ignored_seq_groups:
                 outputs.append(self._ignored_output(group))
                 self._forget(group)
@@ -241,6 +247,7 @@ class LLMEngine:
             if speculate:
                 self._speculate(out)
             running = self._launch(out)
+        self._sample_constrained_steps(running)
         if self.async_scheduling and not (running.out.spec_token_ids or
                                           running.out.num_draft_tokens or
                                           self._speculation_on()):
@@ -249,17 +256,35 @@ class LLMEngine:
                 structured_ok=self.worker.defers_token_bitmask)
             if after is not None:
                 self._in_flight = self._launch(after, defer_masks=True)
-        outputs += self._update(running.out, running.pending.wait())
-        if self._in_flight is not None and self._in_flight.batch.defer_token_bitmask:
-            # The continuation's forward runs while this step's samples advanced the
-            # grammars; its masks follow now, before its sampling.
-            batch = self._in_flight.batch
-            self.structured.fill_bitmask(batch)
-            self._in_flight.pending.sample_with_bitmask(batch.token_bitmask,
-                                                        batch.token_bitmask_rows)
+        result = running.pending.wait()
+        ahead = self._in_flight
+        if ahead is not None and ahead.batch.defer_token_bitmask:
+            # The continuation's forward runs while this step's last samples advance the
+            # grammars; its first masks follow, before its sampling and this step's update.
+            self.structured.advance(running.batch, result.sampled[-1])
+            self.structured.fill_bitmask(ahead.batch)
+            ahead.pending.sample_with_bitmask(ahead.batch.token_bitmask,
+                                              ahead.batch.token_bitmask_rows)
+        outputs += self._update(running.out, result)
+        if ahead is not None and not _has_running(ahead.out):
+            # Every sequence of the step launched ahead finished in this one (on a token or a
+            # stop string): nothing waits for its samples.
+            self._sample_constrained_steps(ahead)
+            ahead.pending.wait()
+            self._in_flight = None
         for group in self.scheduler.free_finished_seq_groups():
             self._forget(group)
         return outputs
+
+    def _sample_constrained_steps(self, running: _InFlight) -> None:
+        """A decode window with constrained rows: each further step waits for the samples
+        of the one before (its forward is already running), advances the grammars with
+        them, and samples under the masks they give."""
+        pending, batch = running.pending, running.batch
+        while pending.awaits_bitmask:
+            self.structured.advance(batch, pending.last_samples())
+            self.structured.fill_bitmask(batch)
+            pending.sample_with_bitmask(batch.token_bitmask, batch.token_bitmask_rows)
 
     def _speculation_on(self) -> bool:
         limit = self.spec_batch_limit

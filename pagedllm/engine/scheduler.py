@@ -196,10 +196,12 @@ class Scheduler:
 
     # ---- one step --------------------------------------------------------------------------
 
-    def schedule(self, max_num_steps: int = 1) -> SchedulerOutput:
+    def schedule(self, max_num_steps: int = 1, structured_ok: bool = False) -> SchedulerOutput:
         """The next step. With `max_num_steps > 1` it may be a multi-step decode window
-        (`out.num_steps`, see `_decode_window_size`)."""
-        num_steps = self._decode_window_size(max_num_steps) if max_num_steps > 1 else 1
+        (`out.num_steps`, see `_decode_window_size`); `structured_ok`: also when sequences
+        with structured outputs run (the engine fills each step's masks as it samples)."""
+        num_steps = self._decode_window_size(max_num_steps, structured_ok) \
+            if max_num_steps > 1 else 1
         out = SchedulerOutput()
         # Swapped and waiting groups only need the running-sequence count; with both queues
         # empty (steady decoding) it is never computed. Preemption only adds to them in
@@ -225,7 +227,7 @@ class Scheduler:
         reserved). Sequences that surely finish by length in `prev` are left out; one that
         stops on a token or string costs one wasted step. None when the next step must wait
         for `prev`'s samples. `structured_ok`: sequences with structured outputs may go on
-        (one step at a time: the engine fills their masks once `prev`'s samples are in)."""
+        (the engine fills their first masks once `prev`'s samples are in)."""
         cfg = self.scheduler_config
         if self.swapped or (self.waiting and len(self.running) < cfg.max_num_seqs):
             return None
@@ -245,11 +247,8 @@ class Scheduler:
             if seq.status is not RUNNING:
                 continue  # aborted since
             num_live += 1
-            if self._reads_own_output(group) or (
-                    group.sampling_params.structured_outputs is not None and not structured_ok):
+            if self._reads_own_output(group) or self._one_step_at_a_time(group, structured_ok):
                 return None
-            if self._one_step_at_a_time(group, seq):
-                num_steps = 1
             max_tokens = group.sampling_params.max_tokens
             if (max_tokens is not None and seq.get_output_len() + k >= max_tokens) \
                     or seq.get_len() + k >= max_len:
@@ -280,14 +279,12 @@ class Scheduler:
         return group.max_num_samples != 1 or p.has_penalties
 
     @staticmethod
-    def _one_step_at_a_time(group: SequenceGroup, seq: Sequence) -> bool:
-        """A sequence whose every sample needs the step before it: its grammar mask needs
-        that token (structured output), its min_tokens mask that count (the worker counts
-        from positions, so a step launched ahead gets it right)."""
-        p = group.sampling_params
-        return p.structured_outputs is not None or seq.get_output_len() < p.min_tokens
+    def _one_step_at_a_time(group: SequenceGroup, structured_ok: bool) -> bool:
+        """A grammar mask needs the token before it: without `structured_ok` (a worker that
+        takes masks only at launch) constrained sequences decode one step per schedule."""
+        return group.sampling_params.structured_outputs is not None and not structured_ok
 
-    def _decode_window_size(self, max_num_steps: int) -> int:
+    def _decode_window_size(self, max_num_steps: int, structured_ok: bool) -> int:
         """Decode steps the next step may run back to back: 1 unless every running request
         is decoding one sequence that may run several steps (`_reads_own_output`,
         `_one_step_at_a_time`), none is swapped out, and
@@ -305,7 +302,7 @@ class Scheduler:
                 return 1
             (seq,) = group.seqs_dict.values()
             if seq.num_uncomputed_tokens != 1 or self._reads_own_output(group) or \
-                    self._one_step_at_a_time(group, seq):
+                    self._one_step_at_a_time(group, structured_ok):
                 return 1
             room = max_len - seq.get_len() + 1
             if room < num_steps:

@@ -9,16 +9,20 @@ reaches its end state finishes the sequence.
 
 The matcher lives with the engine's Sequence, so preemption loses nothing: recompute keeps
 the output tokens the matcher has consumed, and swapping moves only KV. A fork (n/best_of)
-deep-copies its parent's matcher before either takes its own sample. Sequences with a
-matcher decode one step per schedule (the scheduler's `_one_step_at_a_time`): the next mask
-needs this step's token. Under async scheduling such a step is still launched ahead; its
-masks are filled once the step before has advanced the grammars, before it samples.
+deep-copies its parent's matcher before either takes its own sample.
+
+Constrained sequences decode in multi-step windows too: each step of a window samples once
+the engine has advanced the grammars by the step before's samples (`advance`) and filled
+its masks, while the device already runs its forward (worker DecodeWindow). Under async
+scheduling the next window is launched ahead the same way. Tokens consumed ahead are
+recorded, and `accept` answers from that record when the engine appends them.
 """
 from __future__ import annotations
 
 import logging
 import os
 import time
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -64,6 +68,8 @@ class StructuredOutputManager:
         self._ll: Any = None
         self._executor: Any = None
         self.matchers: dict[int, Any] = {}
+        # seq_id -> per token consumed ahead (`advance`), in order: did it end the grammar
+        self._ahead: dict[int, deque[bool]] = {}
         # Host seconds spent filling masks and advancing matchers (`bench structured`).
         self.host_seconds = 0.0
 
@@ -105,14 +111,37 @@ class StructuredOutputManager:
         """Advance the sequence's matcher by its new token; True when the grammar is done
         (the sequence should finish). A token the grammar refuses (it cannot be sampled
         under the mask; only a model vocabulary wider than the tokenizer's could) also ends
-        it, with a warning."""
+        it, with a warning. A token `advance` consumed already is not consumed again."""
+        ahead = self._ahead.get(seq_id)
+        if ahead:
+            return ahead.popleft()
         matcher = self.matchers.get(seq_id)
         if matcher is None:
             return False
         start = time.perf_counter()
-        ok = matcher.consume_token(token_id)
+        done = self._consume(seq_id, matcher, token_id)
         self.host_seconds += time.perf_counter() - start
-        if not ok:
+        return done
+
+    def advance(self, batch: "StepBatch", samples: torch.Tensor) -> None:
+        """Consume one step's samples (host [samples, 3 + 2k] packed, one sample per
+        sampled row of `batch`) into the constrained rows' matchers, ahead of the engine's
+        append; a finished or failed grammar takes no more tokens."""
+        start = time.perf_counter()
+        matchers = self.matchers
+        tokens = samples[:, 0].tolist()
+        sampled = (s for s, do_sample in zip(batch.seq_ids, batch.do_sample) if do_sample)
+        for seq_id, token in zip(sampled, tokens):
+            matcher = matchers.get(seq_id)
+            if matcher is None or matcher.is_stopped() or matcher.is_error():
+                continue
+            done = self._consume(seq_id, matcher, int(token))
+            self._ahead.setdefault(seq_id, deque()).append(done)
+        self.host_seconds += time.perf_counter() - start
+
+    @staticmethod
+    def _consume(seq_id: int, matcher: Any, token_id: int) -> bool:
+        if not matcher.consume_token(token_id):
             logger.warning("sequence %d: token %d is outside its grammar (%s); stopping it",
                            seq_id, token_id, matcher.get_error())
             return True
@@ -121,6 +150,7 @@ class StructuredOutputManager:
     def free(self, seq_ids: Any) -> None:
         for seq_id in seq_ids:
             self.matchers.pop(seq_id, None)
+            self._ahead.pop(seq_id, None)
 
     def fill_bitmask(self, batch: "StepBatch") -> None:
         """Set `batch.token_bitmask` (one row per constrained sampled row) and
@@ -134,11 +164,13 @@ class StructuredOutputManager:
             if not do_sample:
                 continue
             matcher = matchers.get(seq_id)
-            if matcher is not None:
+            # A grammar that ended in the step before: the row's sample is not kept.
+            if matcher is not None and not (matcher.is_stopped() or matcher.is_error()):
                 rows.append(sampled)
                 which.append(matcher)
             sampled += 1
         if not rows:
+            batch.token_bitmask, batch.token_bitmask_rows = None, []
             self.host_seconds += time.perf_counter() - start
             return
         mask = torch.empty(len(rows), self.words, dtype=torch.int32)

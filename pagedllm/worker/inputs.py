@@ -69,11 +69,13 @@ class StepBatch:
     # Structured output: packed int32 [len(token_bitmask_rows), ceil(vocab / 32)] host
     # tensor, bit t % 32 of word t // 32 set = token t allowed (ids past the mask: refused);
     # token_bitmask_rows: the indices, among this batch's sampled rows, of the rows it
-    # constrains (the others are left alone). Only with num_steps == 1.
+    # constrains (the others are left alone). In a multi-step batch these are the first
+    # step's masks: each later step samples once the engine hands it its own
+    # (DecodeWindow.sample_with_bitmask), filled from the step before's samples.
     token_bitmask: Any = None
     token_bitmask_rows: list[int] = field(default_factory=list)
-    # The masks come after the launch (async scheduling: they need the last step's tokens):
-    # the forward is queued at once, the sampling waits for PendingStep.sample_with_bitmask.
+    # The first step's masks come after the launch too (async scheduling: they need the last
+    # step's tokens): the forward is queued at once, the sampling waits for them.
     defer_token_bitmask: bool = False
     # Speculative decoding (a decode row only; its num_scheduled_tokens counts them too):
     # seq_id -> proposed tokens after the row's last token (n-gram, proposed by the engine),

@@ -115,48 +115,118 @@ class ModelInput:
     metadata: dict[torch.device, PagedAttentionInputMetadata]
 
 
+class _HostCopy:
+    """A device tensor copied into pinned host memory behind the kernels that make it (on
+    CUDA; a host tensor is its own copy): `get()` blocks on that copy alone."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._host, self._event = tensor, None
+        if tensor.is_cuda:
+            with torch.cuda.device(tensor.device):
+                self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                self._host.copy_(tensor, non_blocking=True)
+                self._event = torch.cuda.Event()
+                self._event.record()
+
+    def get(self) -> torch.Tensor:
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        return self._host
+
+
 class PendingStep:
     """A launched step: its result is complete once `wait()` returns. On CUDA the samples
     are copied into pinned host memory behind the step's kernels; `wait()` blocks on that
     copy alone."""
 
+    # A decode window with structured output samples sub-step by sub-step (DecodeWindow).
+    awaits_bitmask = False
+
     def __init__(self, result: StepResult, sampled: torch.Tensor | None = None) -> None:
         self._result = result
-        self._sampled = sampled
-        self._event: torch.cuda.Event | None = None
-        if sampled is not None and sampled.is_cuda:
-            with torch.cuda.device(sampled.device):
-                host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
-                host.copy_(sampled, non_blocking=True)
-                self._event = torch.cuda.Event()
-                self._event.record()
-            self._sampled = host
+        self._copy = None if sampled is None else _HostCopy(sampled)
 
     def wait(self) -> StepResult:
-        if self._event is not None:
-            self._event.synchronize()
-            self._event = None
-        self._result.sampled = self._sampled
+        if self._copy is not None:
+            self._result.sampled = self._copy.get()
         return self._result
 
 
-class DeferredSampling(PendingStep):
-    """A step whose forward is queued and whose sampling waits for the token bitmask
-    (StepBatch.defer_token_bitmask): sample_with_bitmask queues it, then wait() as usual."""
+class DecodeWindow(PendingStep):
+    """A launched step's sampling and, in multi-step, its further decode steps (sub-steps),
+    each fed the samples of the one before on the device.
 
-    def __init__(self, sample: Callable[[], PendingStep], batch: StepBatch) -> None:
-        self._sample, self._batch, self._pending = sample, batch, None
+    Without token bitmasks every sub-step is queued at launch. With structured output (a
+    batch with a token_bitmask, or defer_token_bitmask) each sub-step samples once the
+    engine hands it that sub-step's masks (`sample_with_bitmask`), which it fills from the
+    grammars advanced by the sub-step before (`last_samples`). Each sub-step's forward is
+    queued before its masks are asked for, so the host fills them while the device runs it;
+    the scheduling, the batch and the update are paid once per window, as without masks."""
 
+    def __init__(self, runner: "ModelRunner", batch: StepBatch, b: FlatBatch,
+                 logits: torch.Tensor, result: StepResult, kv_caches: list[torch.Tensor]) -> None:
+        self._runner, self._b, self._kv_caches = runner, b, kv_caches
+        self._result = result
+        self.num_steps = batch.num_steps
+        self._rows = [row for _, row in b.sample_rows]
+        self._logits = logits[len(b.logits_indices) - len(self._rows):]
+        self._stepped = batch.token_bitmask is not None or batch.defer_token_bitmask
+        self._steps: list[SampledBatch] = []
+        self._copies: list[_HostCopy] = []  # stepped: each sub-step's samples, on the host
+        self._done: PendingStep | None = None
+        if not batch.defer_token_bitmask:
+            self.sample_with_bitmask(batch.token_bitmask, batch.token_bitmask_rows)
+            while not self._stepped and self.awaits_bitmask:
+                self.sample_with_bitmask(None, [])
+
+    @property
+    def awaits_bitmask(self) -> bool:
+        """Sub-steps are left to sample (each needs `sample_with_bitmask`)."""
+        return len(self._steps) < self.num_steps
+
+    @torch.inference_mode()
     def sample_with_bitmask(self, token_bitmask: Any, rows: list[int]) -> None:
-        if self._pending is not None:
+        """Sample the next sub-step, `token_bitmask` applied to its `rows` (indices among
+        the sampled rows; None: no mask), then queue the forward of the one after."""
+        if not self.awaits_bitmask:
             raise ValueError("this step's samples were already drawn")
-        self._batch.token_bitmask, self._batch.token_bitmask_rows = token_bitmask, rows
-        self._pending = self._sample()
+        runner, k = self._runner, len(self._steps)
+        if token_bitmask is not None:  # structured output: refused tokens get -inf
+            apply_token_bitmask(self._logits, token_bitmask, rows)
+        sampled = runner.sampler.sample(self._logits, _rows_at(self._rows, k))
+        self._steps.append(sampled)
+        if self._stepped:
+            self._copies.append(_HostCopy(sampled.packed))
+        if k + 1 < self.num_steps:
+            self._b = self._b.next_decode_step(runner.block_size)
+            hidden = runner.forward(self._b, self._kv_caches, sampled.token_ids)
+            self._logits = runner.model.compute_logits(hidden)
+            return
+        result = self._result
+        result.seq_ids = [seq_id for seq_id, _ in self._b.sample_rows]
+        result.num_samples = [row.num_samples for row in self._rows]
+        result.num_logprobs = self._steps[0].num_top
+        runner._last_sampled = (result.seq_ids, result.num_samples, sampled.token_ids)
+        runner._open_window = None
+        self._logits = None
+        if not self._stepped:
+            self._done = PendingStep(result, _stack_packed(self._steps))
+
+    def last_samples(self) -> torch.Tensor:
+        """The latest sub-step's packed samples on the host, [samples, 3 + 2k] (a stepped
+        window only: the others come back once, at wait())."""
+        if not self._copies:
+            raise ValueError("no sub-step of this window has sampled with a token bitmask yet")
+        return self._copies[-1].get()
 
     def wait(self) -> StepResult:
-        if self._pending is None:
+        if self.awaits_bitmask:
             raise ValueError("the step waits for its token bitmask (sample_with_bitmask)")
-        return self._pending.wait()
+        if self._done is not None:
+            return self._done.wait()
+        self._result.sampled = torch.stack([c.get() for c in self._copies])
+        return self._result
 
 
 class ModelRunner:
@@ -182,6 +252,8 @@ class ModelRunner:
         # The last launched step's samples (async scheduling reads a row's input id from
         # them): the sampled seq ids, samples per row, and the last step's token ids.
         self._last_sampled: tuple[list[int], list[int], torch.Tensor] | None = None
+        # A launched decode window still waiting for token bitmasks (DecodeWindow).
+        self._open_window: DecodeWindow | None = None
 
     def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int, num_kv_heads: int,
                            head_dim: int, dtype: torch.dtype) -> DecodeCUDAGraphs:
@@ -360,9 +432,11 @@ class ModelRunner:
         """Apply the batch, then queue its forward(s) and sampling. A multi-step batch
         (`num_steps > 1`, decode only: one sample per row, no row reading its own output)
         runs its steps back to back, each step's samples the next step's input ids without
-        a trip to the host; all steps' samples come back in one transfer."""
-        if batch.token_bitmask is not None and batch.num_steps != 1:
-            raise ValueError("a token_bitmask (structured output) needs num_steps == 1")
+        a trip to the host; all steps' samples come back in one transfer, or, under token
+        bitmasks, one per step as the engine fills the next step's masks (DecodeWindow)."""
+        if self._open_window is not None:
+            raise ValueError("the last launched step still waits for its token bitmasks "
+                             "(sample_with_bitmask): its samples come before the next step")
         self.apply(batch)
         spec, draft_probs = batch.spec_token_ids, {}
         if self.drafter is not None:
@@ -391,33 +465,10 @@ class ModelRunner:
             return PendingStep(result, self._verify(batch, b, logits, result, draft_probs))
         if not b.sample_rows:
             return PendingStep(result)
-        if batch.defer_token_bitmask:
-            if batch.num_steps != 1:
-                raise ValueError("a deferred token_bitmask needs num_steps == 1")
-            return DeferredSampling(
-                lambda: self._sample(batch, b, logits, result, kv_caches), batch)
-        return self._sample(batch, b, logits, result, kv_caches)
-
-    @torch.inference_mode()
-    def _sample(self, batch: StepBatch, b: FlatBatch, logits: torch.Tensor, result: StepResult,
-                kv_caches: list[torch.Tensor]) -> PendingStep:
-        """Sample the step's rows (the bitmask applied first), then any further decode
-        steps of a multi-step batch."""
-        rows = [row for _, row in b.sample_rows]
-        num_prompt_rows = len(b.logits_indices) - len(rows)
-        if batch.token_bitmask is not None:  # structured output: refused tokens get -inf
-            apply_token_bitmask(logits[num_prompt_rows:], batch.token_bitmask,
-                                batch.token_bitmask_rows)
-        steps = [self.sampler.sample(logits[num_prompt_rows:], rows)]
-        for _ in range(1, batch.num_steps):
-            b = b.next_decode_step(self.block_size)
-            hidden = self.forward(b, kv_caches, steps[-1].token_ids)
-            steps.append(self.sampler.sample(self.model.compute_logits(hidden), rows))
-        result.seq_ids = [seq_id for seq_id, _ in b.sample_rows]
-        result.num_samples = [row.num_samples for row in rows]
-        result.num_logprobs = steps[0].num_top
-        self._last_sampled = (result.seq_ids, result.num_samples, steps[-1].token_ids)
-        return PendingStep(result, _stack_packed(steps))
+        window = DecodeWindow(self, batch, b, logits, result, kv_caches)
+        if window.awaits_bitmask:
+            self._open_window = window
+        return window
 
     def _verify(self, batch: StepBatch, b: FlatBatch, logits: torch.Tensor, result: StepResult,
                 draft_probs: dict[int, torch.Tensor | None]) -> torch.Tensor:
@@ -478,6 +529,14 @@ def _widen(packed: torch.Tensor, width: int) -> torch.Tensor:
     k, extra = (packed.shape[1] - 3) // 2, (width - packed.shape[1]) // 2
     pad = packed.new_zeros(packed.shape[0], extra)
     return torch.cat([packed[:, : 3 + k], pad, packed[:, 3 + k:], pad], dim=1)
+
+
+def _rows_at(rows: list[SamplingRow], k: int) -> list[SamplingRow]:
+    """The sampling rows of a window's k-th sub-step: k more tokens out than at its first,
+    which a pending min_tokens counts."""
+    if k == 0 or all(r.output_len >= r.params.min_tokens for r in rows):
+        return rows
+    return [replace(r, num_output_tokens=r.output_len + k) for r in rows]
 
 
 def _stack_packed(steps: list[SampledBatch]) -> torch.Tensor:

@@ -229,6 +229,10 @@ class _GuardedStep:
     """A launched step whose wait() also names a failed rank (on CUDA the collectives of
     the step may fail only when its results are waited for)."""
 
+    # The TP worker takes masks only at launch (defers_token_bitmask is False): every window
+    # with constrained rows is one step, sampled at launch.
+    awaits_bitmask = False
+
     def __init__(self, pending: PendingStep, driver: DriverWorker) -> None:
         self.pending, self.driver = pending, driver
 
