@@ -9,7 +9,7 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from pagedllm.config import CacheConfig, SchedulerConfig
@@ -265,7 +265,14 @@ class LLMEngine:
             self.structured.fill_bitmask(ahead.batch)
             ahead.pending.sample_with_bitmask(ahead.batch.token_bitmask,
                                               ahead.batch.token_bitmask_rows)
-        outputs += self._update(running.out, result)
+        between = None
+        if ahead is not None and ahead.pending.awaits_bitmask:
+            # The update takes longer than one forward: the window launched ahead samples its
+            # next steps between parts of it, as soon as their tokens are in.
+            def between() -> None:
+                if ahead.pending.awaits_bitmask and ahead.pending.last_samples_ready():
+                    self._sample_constrained_steps(ahead, 1)
+        outputs += self._update(running.out, result, between)
         if ahead is not None and not _has_running(ahead.out):
             # Every sequence of the step launched ahead finished in this one (on a token or a
             # stop string): nothing waits for its samples.
@@ -276,12 +283,13 @@ class LLMEngine:
             self._forget(group)
         return outputs
 
-    def _sample_constrained_steps(self, running: _InFlight) -> None:
-        """A decode window with constrained rows: each further step waits for the samples
-        of the one before (its forward is already running), advances the grammars with
-        them, and samples under the masks they give."""
+    def _sample_constrained_steps(self, running: _InFlight, limit: int | None = None) -> None:
+        """A decode window with constrained rows: each further step (up to `limit`) waits
+        for the samples of the one before (its forward is already running), advances the
+        grammars with them, and samples under the masks they give."""
         pending, batch = running.pending, running.batch
-        while pending.awaits_bitmask:
+        while pending.awaits_bitmask and (limit is None or limit > 0):
+            limit = None if limit is None else limit - 1
             self.structured.advance(batch, pending.last_samples())
             self.structured.fill_bitmask(batch)
             pending.sample_with_bitmask(batch.token_bitmask, batch.token_bitmask_rows)
@@ -336,15 +344,19 @@ class LLMEngine:
         self.batch_builder.free(group.seqs_dict)
         self.structured.free(group.seqs_dict)
 
-    def _update(self, out: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
+    def _update(self, out: SchedulerOutput, result: StepResult,
+                between: Callable[[], None] | None = None) -> list[RequestOutput]:
         """The one place a step's results land, in one order for single- and multi-step:
         per sequence, its chunk counts as computed, then each step's sample is appended
         (forking the extra samples of a first best_of sample) up to a stop, each sample
-        after the first also counting its step's token as computed; then the outputs."""
+        after the first also counting its step's token as computed; then the outputs.
+        `between` runs after every few groups."""
         outputs = []
         steps = result.samples()
         now = time.monotonic()
-        for scheduled in out.scheduled_seq_groups:
+        for i, scheduled in enumerate(out.scheduled_seq_groups):
+            if between is not None and i % 16 == 15:
+                between()
             group = scheduled.seq_group
             seqs = [s for s in group.seqs_dict.values() if s.status is RUNNING]
             if not seqs:

@@ -86,9 +86,12 @@ class Sampler:
         batch = self.sample(logits, rows)
         return batch.results(batch.packed.cpu().tolist())
 
-    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> "SampledBatch":
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow],
+               steps_ahead: int = 0) -> "SampledBatch":
         """Choose the tokens without waiting for the device: the results stay on it until
-        the caller moves `packed` to the host (several steps' at once, in multi-step)."""
+        the caller moves `packed` to the host (several steps' at once, in multi-step).
+        `steps_ahead`: tokens each row has sampled since its output length was taken (the
+        later steps of a decode window), which a pending min_tokens counts."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(
                 f"logits must have shape [num_rows={len(rows)}, vocab], got {tuple(logits.shape)}"
@@ -98,7 +101,7 @@ class Sampler:
             empty = torch.empty(0, 3, dtype=torch.float64)
             return SampledBatch(torch.empty(0, dtype=torch.long), empty, rows, num_top)
         logits = logits.float()
-        x = self.process_logits(logits, rows)
+        x = self.process_logits(logits, rows, steps_ahead)
         sample_rows = _sample_rows(rows, x.device)
         token_ids = lse = None
         if logits.is_cuda:
@@ -109,16 +112,17 @@ class Sampler:
         packed = _pack_logprobs(logits, sample_rows, token_ids, max(num_top), with_rank, lse)
         return SampledBatch(token_ids, packed, rows, num_top)
 
-    def process_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def process_logits(self, logits: torch.Tensor, rows: list[SamplingRow],
+                       steps_ahead: int = 0) -> torch.Tensor:
         """The float32 logits the token is chosen from, before temperature: logit_bias
         added, min_tokens mask, then the penalties. A copy when any of them applies (the raw
         logits still give the logprobs); else the logits themselves, which nothing writes."""
         x = logits.float()
-        if not any(_modifies_logits(r) for r in rows):
+        if not any(_modifies_logits(r, steps_ahead) for r in rows):
             return x
         x = x.clone()
         self._apply_logit_bias(x, rows)
-        self._apply_min_tokens(x, rows)
+        self._apply_min_tokens(x, rows, steps_ahead)
         _apply_penalties(x, rows)
         return x
 
@@ -138,27 +142,40 @@ class Sampler:
             index = _index_tensors(row_idx, token_idx, x.device)
             x.index_put_(index, host_to_device(bias, torch.float32, x.device), accumulate=True)
 
-    def _apply_min_tokens(self, x: torch.Tensor, rows: list[SamplingRow]) -> None:
+    def _apply_min_tokens(self, x: torch.Tensor, rows: list[SamplingRow],
+                          steps_ahead: int = 0) -> None:
         """Until min_tokens are out, no token may end the sequence."""
         vocab = x.shape[1]
+        eos = self.eos_token_ids
         row_idx, token_idx = [], []
         for i, row in enumerate(rows):
             p = row.params
-            if row.output_len >= p.min_tokens:
+            if row.output_len + steps_ahead >= p.min_tokens:
                 continue
             # With ignore_eos, EOS does not stop the sequence, so it needs no mask.
-            stops = set(p.stop_token_ids or []) | (set() if p.ignore_eos else set(self.eos_token_ids))
-            for token_id in stops:
-                if token_id < vocab:
-                    row_idx.append(i)
-                    token_idx.append(token_id)
+            stops = [t for t in (p.stop_token_ids or []) if t < vocab]
+            if not p.ignore_eos:
+                stops += [t for t in eos if t < vocab]
+            row_idx += [i] * len(stops)
+            token_idx += stops
         if row_idx:
-            x[_index_tensors(row_idx, token_idx, x.device)] = float("-inf")
+            # A device -inf: a host scalar would be copied to the device synchronously.
+            x.index_put_(_index_tensors(row_idx, token_idx, x.device), _neg_inf(x.device))
 
 
-def _modifies_logits(row: SamplingRow) -> bool:
+def _modifies_logits(row: SamplingRow, steps_ahead: int = 0) -> bool:
     p = row.params
-    return bool(p.logit_bias) or row.output_len < p.min_tokens or p.has_penalties
+    return bool(p.logit_bias) or row.output_len + steps_ahead < p.min_tokens or p.has_penalties
+
+
+_NEG_INF: dict[torch.device, torch.Tensor] = {}
+
+
+def _neg_inf(device: torch.device) -> torch.Tensor:
+    value = _NEG_INF.get(device)
+    if value is None:
+        value = _NEG_INF[device] = torch.tensor(float("-inf"), device=device)
+    return value
 
 
 def _sample_rows(rows: list[SamplingRow], device: torch.device) -> torch.Tensor | None:
@@ -382,6 +399,8 @@ def _pack_logprobs(
 
 
 def unpack_sample(values: list[float], k: int) -> SampleResult:
+    if not k:  # no top logprobs asked: most rows, every step
+        return SampleResult(int(values[0]), values[1], int(values[2]), {})
     width = (len(values) - 3) // 2
     ids, top = values[3 : 3 + k], values[3 + width : 3 + width + k]
     return SampleResult(

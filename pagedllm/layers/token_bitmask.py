@@ -27,7 +27,9 @@ def refused_tokens(bitmask: torch.Tensor, device: torch.device) -> torch.Tensor:
         packed = np.invert(bitmask.contiguous().numpy()).view(np.uint8)
         bits = np.unpackbits(packed, axis=1, bitorder="little")
         return torch.from_numpy(bits).view(torch.bool)  # 0/1 bytes are valid bools
-    mask = bitmask.to(device, non_blocking=True)
+    # From pinned memory the copy is queued without waiting (a pageable one may wait for
+    # the forward queued before it).
+    mask = bitmask.pin_memory().to(device, non_blocking=True)
     return (((mask[:, :, None] >> _bits(device)) & 1) == 0).view(rows, words * 32)
 
 

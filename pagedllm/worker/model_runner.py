@@ -128,6 +128,10 @@ class _HostCopy:
                 self._event = torch.cuda.Event()
                 self._event.record()
 
+    def ready(self) -> bool:
+        """The copy is done (get() would not block)."""
+        return self._event is None or self._event.query()
+
     def get(self) -> torch.Tensor:
         if self._event is not None:
             self._event.synchronize()
@@ -194,7 +198,7 @@ class DecodeWindow(PendingStep):
         runner, k = self._runner, len(self._steps)
         if token_bitmask is not None:  # structured output: refused tokens get -inf
             apply_token_bitmask(self._logits, token_bitmask, rows)
-        sampled = runner.sampler.sample(self._logits, _rows_at(self._rows, k))
+        sampled = runner.sampler.sample(self._logits, self._rows, steps_ahead=k)
         self._steps.append(sampled)
         if self._stepped:
             self._copies.append(_HostCopy(sampled.packed))
@@ -212,6 +216,10 @@ class DecodeWindow(PendingStep):
         self._logits = None
         if not self._stepped:
             self._done = PendingStep(result, _stack_packed(self._steps))
+
+    def last_samples_ready(self) -> bool:
+        """last_samples() would not block."""
+        return bool(self._copies) and self._copies[-1].ready()
 
     def last_samples(self) -> torch.Tensor:
         """The latest sub-step's packed samples on the host, [samples, 3 + 2k] (a stepped
@@ -529,14 +537,6 @@ def _widen(packed: torch.Tensor, width: int) -> torch.Tensor:
     k, extra = (packed.shape[1] - 3) // 2, (width - packed.shape[1]) // 2
     pad = packed.new_zeros(packed.shape[0], extra)
     return torch.cat([packed[:, : 3 + k], pad, packed[:, 3 + k:], pad], dim=1)
-
-
-def _rows_at(rows: list[SamplingRow], k: int) -> list[SamplingRow]:
-    """The sampling rows of a window's k-th sub-step: k more tokens out than at its first,
-    which a pending min_tokens counts."""
-    if k == 0 or all(r.output_len >= r.params.min_tokens for r in rows):
-        return rows
-    return [replace(r, num_output_tokens=r.output_len + k) for r in rows]
 
 
 def _stack_packed(steps: list[SampledBatch]) -> torch.Tensor:
