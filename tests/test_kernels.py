@@ -608,3 +608,40 @@ def test_rms_norm_of_heads_inside_a_fused_projection(dtype):
     assert torch.equal(got, want)
     torch.testing.assert_close(got.float().cpu(), rms_norm_ref(q.cpu(), weight.cpu(), 1e-6).float(),
                                **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("vocab, words", [(97, 4), (200, 4), (64, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_bitmask_kernel_matches_the_torch_path(vocab, words, dtype):
+    """The Triton bitmask (one pass) against layers/token_bitmask's unpack-pad-fill path on
+    the host: random masks on some rows; ids past the mask (vocab > 32 * words) refused,
+    words past the vocabulary ignored, other rows untouched. A mask read with its bit order
+    reversed fails it (checked by mutating the kernel)."""
+    from pagedllm.kernels.triton_bitmask import apply_token_bitmask_
+    from pagedllm.layers.token_bitmask import apply_token_bitmask
+
+    gen = torch.Generator().manual_seed(vocab + words)
+    logits = torch.randn(5, vocab, generator=gen).to(dtype)
+    rows = [3, 0, 4]
+    mask = torch.randint(-(1 << 31), 1 << 31, (len(rows), words), generator=gen,
+                         dtype=torch.int64).to(torch.int32)
+    want = logits.clone()
+    apply_token_bitmask(want, mask, rows)
+    got = logits.to(DEVICE)
+    apply_token_bitmask_(got, mask.to(DEVICE), torch.tensor(rows, device=DEVICE))
+    assert torch.equal(got.cpu(), want)
+    assert torch.equal(got.cpu()[[1, 2]], logits[[1, 2]])
+    refused = torch.isinf(want[rows]).sum()
+    assert 0 < refused < len(rows) * vocab
+
+
+def test_token_bitmask_kernel_rejects_what_it_cannot_take():
+    from pagedllm.kernels.triton_bitmask import apply_token_bitmask_
+
+    logits = torch.zeros(2, 64, device=DEVICE)
+    rows = torch.tensor([1], device=DEVICE)
+    with pytest.raises(ValueError, match=r"bitmask must be int32 \[len\(rows\)=1, words\]"):
+        apply_token_bitmask_(logits, torch.zeros(1, 2, dtype=torch.int64, device=DEVICE), rows)
+    with pytest.raises(ValueError, match="logits must be \\[rows, vocab\\] with contiguous rows"):
+        apply_token_bitmask_(logits.t(), torch.zeros(1, 2, dtype=torch.int32, device=DEVICE),
+                             rows)

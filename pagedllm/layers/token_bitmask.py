@@ -27,19 +27,26 @@ def refused_tokens(bitmask: torch.Tensor, device: torch.device) -> torch.Tensor:
         packed = np.invert(bitmask.contiguous().numpy()).view(np.uint8)
         bits = np.unpackbits(packed, axis=1, bitorder="little")
         return torch.from_numpy(bits).view(torch.bool)  # 0/1 bytes are valid bools
-    # From pinned memory the copy is queued without waiting (a pageable one may wait for
-    # the forward queued before it).
-    mask = bitmask.pin_memory().to(device, non_blocking=True)
+    mask = bitmask.to(device)
     return (((mask[:, :, None] >> _bits(device)) & 1) == 0).view(rows, words * 32)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """In place: logits[rows[i], t] = -inf where bit t of bitmask[i] is clear (bit t % 32 of
     word t // 32), and for every t past the mask's 32 * words ids. Other rows are left as
-    they are. One transfer of the packed mask, then a few batched passes on the device."""
+    they are. On CUDA one transfer of the packed mask and one kernel (triton_bitmask);
+    elsewhere numpy unpacks it and a few batched passes apply it."""
     if not rows:
         return
     device, vocab = logits.device, logits.shape[1]
+    if device.type == "cuda":
+        from pagedllm.kernels.triton_bitmask import apply_token_bitmask_
+
+        # From pinned memory the copy is queued without waiting (a pageable one may wait for
+        # the forward queued before it).
+        apply_token_bitmask_(logits, bitmask.pin_memory().to(device, non_blocking=True),
+                             host_to_device(rows, torch.long, device))
+        return
     refused = refused_tokens(bitmask, device)
     if refused.shape[1] >= vocab:
         refused = refused[:, :vocab]
