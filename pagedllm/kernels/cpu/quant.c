@@ -376,6 +376,7 @@ static void transpose_rows(float *xt, int64_t rp, const float *x, int64_t ldx, i
  * The nibbles are extracted in the integer units, which the FMAs leave idle. */
 
 #define LUT_UNITS 8 /* units of 32 whose tables are built ahead of use (256 values of k) */
+#define STRIP 24    /* weight rows per task: whole groups of 6, 4 or 3 */
 
 /* Unit j (32 weights) of a 4-bit row: its 16 possible values into tbl, and the nibble of
  * each of its weights (in the order of k) into idx. */
@@ -493,23 +494,29 @@ static void tiled_matmul(float *out, int64_t ldo, const float *x, int64_t ldx, i
 #pragma omp for schedule(static)
         for (int64_t i0 = 0; i0 < k; i0 += 32) transpose_rows(xt, rp, x, ldx, rows, i0, i0 + 32);
         if (lut) {
+            /* strips of STRIP weight rows (whole groups of NW): each output row's values of a
+             * strip are written together, a cache line rather than NW scattered floats */
+            const int64_t strips = (n + STRIP - 1) / STRIP;
 #pragma omp for schedule(static)
-            for (int64_t g = 0; g < groups; g++) {
-                float part[6 * 64] __attribute__((aligned(64)));
-                const int64_t n0 = g * NW;
-                const int nw = n - n0 < NW ? (int)(n - n0) : NW;
-                /* the next group's rows (this thread's next, under a static schedule) are
+            for (int64_t sidx = 0; sidx < strips; sidx++) {
+                float part[STRIP * 64] __attribute__((aligned(64)));
+                const int64_t s0 = sidx * STRIP, sn = n - s0 < STRIP ? n - s0 : STRIP;
+                /* the next strip's rows (this thread's next, under a static schedule) are
                  * read from memory while this one computes */
-                const int64_t ahead = n0 + NW < n ? (n - n0 - NW < NW ? n - n0 - NW : NW) : 0;
-                const char *next = (const char *)(w + (n0 + NW) * row_bytes);
-                for (int64_t o = 0; o < ahead * row_bytes; o += 64) _mm_prefetch(next + o, _MM_HINT_T0);
-                switch (qtype) {
-                case Q4_0: lut_rows(Q4_0, w, row_bytes, n0, nw, xt, rp, 0, k / 32, part, 1); break;
-                case Q4_1: lut_rows(Q4_1, w, row_bytes, n0, nw, xt, rp, 0, k / 32, part, 1); break;
-                default: lut_rows(Q4_K, w, row_bytes, n0, nw, xt, rp, 0, k / 32, part, 1); break;
+                const int64_t ahead = s0 + STRIP < n ? (n - s0 - STRIP < STRIP ? n - s0 - STRIP : STRIP) : 0;
+                const char *next = (const char *)(w + (s0 + STRIP) * row_bytes);
+                for (int64_t o = 0; o < ahead * row_bytes; o += 64) _mm_prefetch(next + o, _MM_HINT_T1);
+                for (int64_t n0 = s0; n0 < s0 + sn; n0 += NW) {
+                    const int nw = s0 + sn - n0 < NW ? (int)(s0 + sn - n0) : NW;
+                    float *pg = part + (n0 - s0) * rp;
+                    switch (qtype) {
+                    case Q4_0: lut_rows(Q4_0, w, row_bytes, n0, nw, xt, rp, 0, k / 32, pg, 1); break;
+                    case Q4_1: lut_rows(Q4_1, w, row_bytes, n0, nw, xt, rp, 0, k / 32, pg, 1); break;
+                    default: lut_rows(Q4_K, w, row_bytes, n0, nw, xt, rp, 0, k / 32, pg, 1); break;
+                    }
                 }
-                for (int t = 0; t < nw; t++)
-                    for (int64_t r = 0; r < rows; r++) out[r * ldo + n0 + t] = part[t * rp + r];
+                for (int64_t r = 0; r < rows; r++)
+                    for (int64_t c = 0; c < sn; c++) out[r * ldo + s0 + c] = part[c * rp + r];
             }
         } else {
 #pragma omp for schedule(static)
