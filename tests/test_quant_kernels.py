@@ -105,7 +105,7 @@ def test_a_wrong_scale_or_value_order_fails_the_check(qtype, how, rows):
 # ----------------------------------------------------------------------------- layers
 
 
-@pytest.mark.parametrize("rows", [1, 4, 5, 31, 32, 33, 600])
+@pytest.mark.parametrize("rows", [1, 4, 5, 31, 33, 64, 65, 600])
 def test_linear_of_mixed_parts_with_bias(rows, monkeypatch):
     """A fused projection of three parts of two types (as Q4_K_M files mix them), with a
     bias: the packed kernels up to MAX_PACKED_ROWS rows, dequantize + BLAS above, in slices

@@ -24,15 +24,15 @@ from torch import nn
 
 from pagedllm.kernels.cpu import quant
 
-# Above this many rows a call dequantizes and uses BLAS (measured: the packed kernel is
-# ahead up to here on the default model's shapes, 2 cores).
-MAX_PACKED_ROWS = 32
+# Above this many rows a call dequantizes and uses BLAS (measured on the default model's
+# Q4_1 shapes, one core: the packed kernel is 1.1-1.4x ahead at 64 rows, even to 1.2x
+# behind at 128, behind BLAS at 256+).
+MAX_PACKED_ROWS = 64
 # Dequantize at most this many fp32 bytes at once on the BLAS path (an LM head of 49k rows
-# would be 113 MB in one piece), into one buffer per thread reused by every layer: fresh
-# memory for each weight (page faults, zeroing) made a 512-token prompt ~3% slower than
-# with fp32 weights; a piece that stays in the L3 cache (8 MB here) is read from there by
-# the GEMM.
-DEQUANT_CHUNK_BYTES = 4 << 20
+# would be 113 MB in one piece), into one buffer per thread that every layer reuses rather
+# than fresh memory per weight (page faults). Smaller pieces (4 or 8 MB, to stay in L3) made
+# a 512-token prompt slower here: more, narrower GEMMs.
+DEQUANT_CHUNK_BYTES = 16 << 20
 _scratch = threading.local()
 
 
