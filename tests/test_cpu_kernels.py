@@ -63,7 +63,8 @@ DECODE_LENS = [1, 5, 8, 13, 40, 37, 2, 64, 129]
 @pytest.mark.parametrize("heads,kv_heads,d", [(6, 2, 16), (9, 3, 64), (8, 8, 128), (4, 1, 24)])
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_decode_attention_matches_float64_attention(heads, kv_heads, d, block_size):
-    """head_dim 64 and 128 take the AVX-512 loops (where built for), 16 and 24 the generic."""
+    """head_dim 64 and 128 take the AVX-512 loops or the AVX2 path (where built for), 16
+    and 24 the generic; lengths 1-129: whole and partial runs of 8 keys."""
     cache, meta, query, key, value, keys, values = random_step(
         DECODE_LENS, [1] * len(DECODE_LENS), heads=heads, kv_heads=kv_heads, d=d,
         block_size=block_size, seed=d)

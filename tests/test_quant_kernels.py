@@ -23,7 +23,9 @@ pytestmark = pytest.mark.skipif(build.load_library() is None,
 
 # (rows of W, blocks per row): ragged K (odd block counts), n not a multiple of a tile
 SHAPES = [(5, 1), (67, 3), (13, 37)]
-ROWS = [1, 2, 3, 4, 5, 8, 9, 17, 33, 100]  # 1-8: integer kernel; 100: two blocks of 64 rows
+# 1-8: integer kernel; 9-64: the tiled one (4-bit types through their value tables) with
+# 1-4 vectors of 8 rows per tile (16, 24, 32: whole vectors; 33: 4 + 1); 100: 64 + 36 rows
+ROWS = [1, 2, 3, 4, 5, 8, 9, 16, 17, 24, 32, 33, 100]
 
 
 def packed_case(qtype, n, blocks, seed=0):
@@ -82,24 +84,28 @@ def gguf_bytes(qtype) -> int:
     return quant.row_bytes(qtype, block_size(qtype))
 
 
+@pytest.mark.parametrize("rows", [4, 16])  # the integer kernel, the tiled one
 @pytest.mark.parametrize("how", ["scale", "order"])
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_a_wrong_scale_or_value_order_fails_the_check(qtype, how):
+def test_a_wrong_scale_or_value_order_fails_the_check(qtype, how, rows):
     """The check above would catch a kernel that misreads a scale or the nibble order:
     products with such a misread weight break the bound almost everywhere."""
     n, k = 24, 4 * block_size(qtype)
     packed = random_packed(qtype, n, k, seed=3)
     want = dequantize(packed, qtype, n, k)
     bad = torch.from_numpy(mutate(packed, qtype, how).reshape(-1).copy())
-    x = torch.randn(4, k, generator=torch.Generator().manual_seed(1))
-    assert violations(quant.matmul(x, bad, qtype, n), x, want, True) > 0.5
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1))
+    int16 = rows <= 8
+    assert violations(quant.matmul(x, bad, qtype, n), x, want, int16) > 0.5
+    assert violations(quant.matmul(x, torch.from_numpy(packed.reshape(-1).copy()), qtype, n),
+                      x, want, int16) == 0
     assert violations(F.linear(x, quant.dequantize(bad, qtype, n, k)), x, want, False) > 0.5
 
 
 # ----------------------------------------------------------------------------- layers
 
 
-@pytest.mark.parametrize("rows", [1, 4, 5, 31, 32, 33, 600])
+@pytest.mark.parametrize("rows", [1, 4, 5, 31, 33, 64, 65, 600])
 def test_linear_of_mixed_parts_with_bias(rows, monkeypatch):
     """A fused projection of three parts of two types (as Q4_K_M files mix them), with a
     bias: the packed kernels up to MAX_PACKED_ROWS rows, dequantize + BLAS above, in slices

@@ -13,6 +13,7 @@ buffer, multiplied on its own into its columns of the output.
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -23,12 +24,24 @@ from torch import nn
 
 from pagedllm.kernels.cpu import quant
 
-# Above this many rows a call dequantizes and uses BLAS (measured: the packed kernel is
-# ahead up to here on the default model's shapes, 2 cores).
-MAX_PACKED_ROWS = 32
+# Above this many rows a call dequantizes and uses BLAS (measured on the default model's
+# Q4_1 shapes, one core: the packed kernel is 1.1-1.4x ahead at 64 rows, even to 1.2x
+# behind at 128, behind BLAS at 256+).
+MAX_PACKED_ROWS = 64
 # Dequantize at most this many fp32 bytes at once on the BLAS path (an LM head of 49k rows
-# would be 113 MB in one piece).
+# would be 113 MB in one piece), into one buffer per thread that every layer reuses rather
+# than fresh memory per weight (page faults). Smaller pieces (4 or 8 MB, to stay in L3) made
+# a 512-token prompt slower here: more, narrower GEMMs.
 DEQUANT_CHUNK_BYTES = 16 << 20
+_scratch = threading.local()
+
+
+def _scratch_matrix(n: int, k: int) -> torch.Tensor:
+    """A [n, k] fp32 view of this thread's dequantization buffer (grown as needed)."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < n * k:
+        buf = _scratch.buf = torch.empty(n * k)
+    return buf[: n * k].view(n, k)
 
 
 @dataclass
@@ -138,7 +151,7 @@ class PackedMatrix(nn.Module):
             for first in range(0, s.rows, step):
                 n = min(step, s.rows - first)
                 w = quant.dequantize(data[first * row_bytes: (first + n) * row_bytes],
-                                     s.qtype, n, k)
+                                     s.qtype, n, k, out=_scratch_matrix(n, k))
                 pieces.append(F.linear(rows, w))
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
 

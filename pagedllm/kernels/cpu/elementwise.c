@@ -75,6 +75,14 @@ void silu_and_mul_f32(float *out, const float *x, int64_t rows, int64_t dim,
             const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, e));
             _mm512_storeu_ps(dst + i, _mm512_mul_ps(silu, _mm512_loadu_ps(up + i)));
         }
+#elif defined(__AVX2__) && defined(__FMA__)
+        const __m256 one = _mm256_set1_ps(1.0f);
+        for (; i + 8 <= dim; i += 8) {
+            const __m256 g = _mm256_loadu_ps(gate + i);
+            const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), g));
+            const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, e));
+            _mm256_storeu_ps(dst + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
+        }
 #endif
         for (; i < dim; i++) dst[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
     }

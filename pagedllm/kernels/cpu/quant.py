@@ -70,10 +70,15 @@ def _check(packed: torch.Tensor, qtype: int, n: int, k: int) -> None:
                          f"{n * row_bytes(qtype, k)} bytes, got {packed.numel()}")
 
 
-def dequantize(packed: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
-    """[n, k] fp32 from n packed rows: what gguf.quants.dequantize gives, bit for bit."""
+def dequantize(packed: torch.Tensor, qtype: int, n: int, k: int,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """[n, k] fp32 from n packed rows: what gguf.quants.dequantize gives, bit for bit; into
+    `out` (a contiguous fp32 [n, k] tensor) when given."""
     _check(packed, qtype, n, k)
-    out = torch.empty(n, k)
+    if out is None:
+        out = torch.empty(n, k)
+    elif out.shape != (n, k) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous fp32 [{n}, {k}] tensor")
     _kernel("gguf_dequantize_f32")(out.data_ptr(), packed.data_ptr(), int(qtype), n, k,
                                    torch.get_num_threads())
     return out
