@@ -350,12 +350,10 @@ static void tile_rows(const float *w, int nw, const float *xt, int64_t rp, int64
 static void transpose_rows(float *xt, int64_t rp, const float *x, int64_t ldx, int64_t rows,
                            int64_t k0, int64_t k1) {
     for (int64_t r0 = 0; r0 < rp; r0 += 8) {
-        const int full = r0 + 8 <= rows;
         for (int64_t i0 = k0; i0 < k1; i0 += 8) {
             __m256 v[8];
             for (int r = 0; r < 8; r++)
                 v[r] = r0 + r < rows ? _mm256_loadu_ps(x + (r0 + r) * ldx + i0) : _mm256_setzero_ps();
-            (void)full;
             const __m256 t0 = _mm256_unpacklo_ps(v[0], v[1]), t1 = _mm256_unpackhi_ps(v[0], v[1]);
             const __m256 t2 = _mm256_unpacklo_ps(v[2], v[3]), t3 = _mm256_unpackhi_ps(v[2], v[3]);
             const __m256 t4 = _mm256_unpacklo_ps(v[4], v[5]), t5 = _mm256_unpackhi_ps(v[4], v[5]);
