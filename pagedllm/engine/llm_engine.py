@@ -79,8 +79,7 @@ class _InFlight:
 
 
 def _has_running(out: SchedulerOutput) -> bool:
-    return any(seq.status is RUNNING for scheduled in out.scheduled_seq_groups
-               for seq in scheduled.seq_group.seqs_dict.values())
+    return any(scheduled.seq_group.num_seqs(RUNNING) for scheduled in out.scheduled_seq_groups)
 
 
 class LLMEngine:

@@ -194,6 +194,25 @@ static inline void q4_k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
     }
 }
 
+#ifdef QUANT_AVX2
+/* Unit j (32 weights, sub-block j & 7 of super-block j >> 3) of a Q4_K row: its weights are
+ * w = scale * q - min for the 32 nibbles q returned as bytes, in the order of k. */
+static inline __m256i q4_k_unit(const uint8_t *row, int64_t j, float *scale, float *min) {
+    const uint8_t *b = row + (j >> 3) * 144;
+    const int sub = (int)(j & 7);
+    int sc, mn;
+    q4_k_scale_min(b + 4, sub, &sc, &mn);
+    float d, dmin;
+    fp16x2_to_fp32(b, &d, &dmin);
+    *scale = d * (float)sc;
+    *min = dmin * (float)mn;
+    return _mm256_and_si256(
+        _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(b + 16 + 32 * (sub >> 1))),
+                          4 * (sub & 1)),
+        _mm256_set1_epi8(0x0f));
+}
+#endif
+
 static void dequant_q4_k(const uint8_t *b, float *y, int64_t nb) {
     for (int64_t i = 0; i < nb; i++, b += 144, y += 256) {
         const float d = fp16_to_fp32(b), dmin = fp16_to_fp32(b + 2);
@@ -406,20 +425,13 @@ static inline __attribute__((always_inline)) void lut_unit(int64_t QT, const uin
         const __m128i q = _mm_loadu_si128((const __m128i *)(b + (QT == Q4_0 ? 2 : 4)));
         _mm_store_si128((__m128i *)idx, _mm_and_si128(q, mask));
         _mm_store_si128((__m128i *)(idx + 16), _mm_and_si128(_mm_srli_epi16(q, 4), mask));
-    } else { /* Q4_K: sub-block j & 7 of super-block j >> 3; value i: a nibble of byte i */
-        const uint8_t *b = row + (j >> 3) * 144;
-        const int sub = (int)(j & 7);
-        int sc, mn;
-        q4_k_scale_min(b + 4, sub, &sc, &mn);
-        float d, dmin;
-        fp16x2_to_fp32(b, &d, &dmin);
-        const __m256 vd = _mm256_set1_ps(d * (float)sc), vm = _mm256_set1_ps(dmin * (float)mn);
+    } else { /* Q4_K: value i is a nibble of byte i */
+        float scale, min;
+        const __m256i q = q4_k_unit(row, j, &scale, &min);
+        const __m256 vd = _mm256_set1_ps(scale), vm = _mm256_set1_ps(min);
         _mm256_store_ps(tbl, _mm256_sub_ps(_mm256_mul_ps(vd, lo), vm));
         _mm256_store_ps(tbl + 8, _mm256_sub_ps(_mm256_mul_ps(vd, hi), vm));
-        const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * (sub >> 1)));
-        _mm256_store_si256((__m256i *)idx,
-                           _mm256_and_si256(_mm256_srli_epi16(q, 4 * (sub & 1)),
-                                            _mm256_set1_epi8(0x0f)));
+        _mm256_store_si256((__m256i *)idx, q);
     }
 }
 
@@ -641,18 +653,9 @@ static inline __attribute__((always_inline)) void int_block(int64_t QT, const ui
             corr[r] = fmaf(off, x[r].s[j], corr[r]);
         }
     } else if (QT == Q4_K) {
-        const uint8_t *b = row + (j >> 3) * 144;
-        const int sub = (int)(j & 7);
-        int sc, mn;
-        q4_k_scale_min(b + 4, sub, &sc, &mn);
-        float d, dmin;
-        fp16x2_to_fp32(b, &d, &dmin);
-        d *= (float)sc;
-        const float off = -(dmin * (float)mn);
-        const __m256i nib = _mm256_and_si256(
-            _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(b + 16 + 32 * (sub >> 1))),
-                              4 * (sub & 1)),
-            _mm256_set1_epi8(0x0f));
+        float d, min;
+        const __m256i nib = q4_k_unit(row, j, &d, &min);
+        const float off = -min;
         const __m256i w0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(nib));
         const __m256i w1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(nib, 1));
         for (int r = 0; r < NR; r++) {
