@@ -1,6 +1,8 @@
 """LLMEngine / LLM behaviour on the default model: sampling features end to end."""
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -238,3 +240,72 @@ def test_requests_that_read_their_own_output_decode_one_step_at_a_time(default_l
         default_llm.generate(PROMPT, params, use_tqdm=False)
     assert runs == []
     _no_leaks(default_llm)
+
+
+def _streamed_finals(engine, prompts, params) -> list:
+    """The finished outputs of requests run with an output per step (the server's way,
+    which appends each sample on its own)."""
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(f"per-token-{i}", prompt, p)
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    return [finals[f"per-token-{i}"] for i in range(len(prompts))]
+
+
+def test_window_appends_stop_as_token_by_token_appends(default_llm, monkeypatch):
+    """Offline, a decode window's samples are appended row by row (no SampleResult per
+    token): the stops land where appending each sample on its own puts them (max_tokens
+    mid-window, EOS at min_tokens, a stop token id with its stop_reason, ignore_eos)."""
+    engine = default_llm.engine
+    monkeypatch.setattr(engine, "num_scheduler_steps", 4)
+    plain = default_llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=12),
+                                 use_tqdm=False)[0].outputs[0].token_ids
+    # A stop id: the first token of the plain output not seen before it, past the first window.
+    stop_at = next(i for i in range(6, 12) if plain[i] not in plain[:i])
+    eos_bias = {e: 100.0 for e in engine.eos_token_ids}
+    prompts = [PROMPT, PROMPT, PROMPT, PROMPT, "Hello"]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=7),
+        SamplingParams(temperature=0.0, max_tokens=24, min_tokens=6, logit_bias=eos_bias),
+        SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[plain[stop_at]]),
+        SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True, logit_bias=eos_bias),
+        SamplingParams(temperature=0.8, max_tokens=10, seed=3),
+    ]
+    runs = _record_multi_step_runs(engine, monkeypatch)
+    offline = [o.outputs[0] for o in default_llm.generate(prompts, params, use_tqdm=False)]
+    assert 4 in runs
+    monkeypatch.setattr(engine, "stream_outputs", True)
+    streamed = [o.outputs[0] for o in _streamed_finals(engine, prompts, params)]
+    assert [len(o.token_ids) for o in offline] == [7, 7, stop_at + 1, 9, 10]
+    assert offline[2].stop_reason == plain[stop_at] and offline[1].stop_reason is None
+    assert [o.finish_reason for o in offline] == ["length", "stop", "stop", "length", "length"]
+    for a, b in zip(offline, streamed):
+        assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == \
+            (b.token_ids, b.text, b.finish_reason, b.stop_reason)
+        assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=1e-4)
+    _no_leaks(default_llm)
+
+
+def test_steps_run_with_the_heap_frozen(default_llm, monkeypatch):
+    """The garbage collector skips the objects alive when a step starts only during the
+    step; a heap the process froze itself is left frozen."""
+    engine = default_llm.engine
+    seen: list[int] = []
+    step = engine._step
+
+    def recording():
+        seen.append(gc.get_freeze_count())
+        return step()
+
+    monkeypatch.setattr(engine, "_step", recording)
+    default_llm.generate(PROMPT, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert seen and min(seen) > 0 and gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        default_llm.generate(PROMPT, SamplingParams(max_tokens=2), use_tqdm=False)
+        assert gc.get_freeze_count() > 0  # not unfrozen by a step
+    finally:
+        gc.unfreeze()

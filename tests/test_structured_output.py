@@ -371,3 +371,34 @@ def test_closing_object_schemas_only_narrows_them():
     for kept in ("g", "i", "l", "n"):
         assert props[kept] == schema["properties"][kept]
     assert "additionalProperties" not in schema  # a copy
+
+
+def test_sequences_of_one_grammar_get_their_own_matchers(llm, monkeypatch):
+    """A grammar is compiled once and copied per sequence: advancing one sequence's
+    matcher leaves the other's where it was; the compiled ones kept are bounded."""
+    from pagedllm.engine import structured_output
+    from pagedllm.engine.sequence import Sequence, SequenceGroup
+
+    manager = llm.engine.structured
+    monkeypatch.setattr(structured_output, "MAX_CACHED_GRAMMARS", 2)
+    monkeypatch.setattr(manager, "_fresh", type(manager._fresh)())
+    monkeypatch.setattr(manager, "matchers", {})
+
+    def group(choice):
+        params = SamplingParams(structured_outputs=StructuredOutputsParams(choice=choice))
+        return SequenceGroup("g", [Sequence(0, [1], 16)], params)
+
+    manager.start(100, group(["yes", "no"]))
+    manager.start(101, group(["yes", "no"]))
+    assert len(manager._fresh) == 1
+    tok = llm.get_tokenizer()
+    first = tok.encode("yes", add_special_tokens=False)
+    for t in first:
+        assert not manager.accept(100, t) or t == first[-1]
+    assert manager.matchers[100].is_stopped() or manager.matchers[100].is_accepting()
+    assert not manager.matchers[101].is_accepting()  # the copy has consumed nothing
+    assert manager.matchers[101].consume_tokens(tok.encode("no", add_special_tokens=False))
+    manager.start(102, group(["a", "b"]))
+    manager.start(103, group(["c", "d"]))
+    assert len(manager._fresh) == 2
+    manager.free([100, 101, 102, 103])

@@ -21,6 +21,10 @@ class SequenceStatus(enum.Enum):
     # Rejected by the scheduler: can never fit in the KV cache.
     FINISHED_IGNORED = "ignored"
 
+    # Members are singletons: identity hashing, not Enum's Python-level hash of the name
+    # (statuses are looked up in sets for every sequence on every step).
+    __hash__ = object.__hash__
+
     @property
     def is_finished(self) -> bool:
         return self in FINISHED_STATUSES
