@@ -248,3 +248,33 @@ def test_load_inputs_takes_input_ids_already_on_the_device():
     assert bucket == 2
     assert graphs.input_ids[:2].tolist() == [5, 6]
     assert graphs.static_metadata[CPU].slot_mapping[:2].tolist() == [1, 5]
+
+
+def test_a_windows_block_tables_are_copied_in_once():
+    """The steps of a decode window share their padded block tables (FlatBatch): the
+    static buffer takes them at the first step only, and again after other tables."""
+    from pagedllm.worker.model_runner import FlatBatch
+
+    model, c = tiny_llama()
+    graphs = make_graphs(model, c, max_num_seqs=4, max_model_len=16)
+    static = graphs.static_metadata[CPU].block_tables
+    window = FlatBatch(input_ids=[7, 8], positions=[1, 5], slot_mapping=[1, 9], query_lens=[1, 1],
+                       seq_lens=[2, 6], block_tables=[[0], [2, 3]], logits_indices=[0, 1])
+
+    def load(b):
+        return graphs.load_inputs(b.input_ids, b.positions, b.slot_mapping, b.seq_lens,
+                                  b.block_tables, b.padded_block_tables)
+
+    load(window)
+    assert static[:2, :2].tolist() == [[0, 0], [2, 3]]
+    static[0, 0] = 42  # what a second copy would overwrite
+    step = window.next_decode_step(block_size=4)
+    assert step.slot_mapping == [2, 14] and step.seq_lens == [3, 7]
+    load(step)
+    assert static[0, 0].item() == 42
+    load(FlatBatch(input_ids=[1], positions=[0], slot_mapping=[4], query_lens=[1], seq_lens=[1],
+                   block_tables=[[1]], logits_indices=[0]))
+    load(step.next_decode_step(block_size=4))
+    assert static[:2, :2].tolist() == [[0, 0], [2, 3]]
+    split = window.as_decode_rows()
+    assert split.padded is not window.padded  # other tables: padded anew

@@ -17,6 +17,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, fields
 from typing import TypeVar
 
+import numpy as np
 import torch
 
 T = TypeVar("T")
@@ -75,7 +76,12 @@ class PagedAttentionInputMetadata:
         seq_lens: list[int],
         block_tables: list[list[int]],
         device: torch.device | str = "cpu",
+        padded_tables: torch.Tensor | None = None,
     ) -> "PagedAttentionInputMetadata":
+        """`padded_tables`: block_tables already padded (pad_block_tables), when the caller
+        keeps them over several steps."""
+        if padded_tables is None:
+            padded_tables = pad_block_tables(block_tables)
         starts = [0]
         for q in query_lens:
             starts.append(starts[-1] + q)
@@ -85,7 +91,7 @@ class PagedAttentionInputMetadata:
             slot_mapping=host_to_device(slot_mapping, torch.int64, device),
             query_start_loc=host_to_device(starts, torch.int32, device),
             seq_lens=host_to_device(seq_lens, torch.int32, device),
-            block_tables=host_to_device(pad_block_tables(block_tables), torch.int32, device),
+            block_tables=host_to_device(padded_tables, torch.int32, device),
             max_query_len=max(query_lens, default=0),
             max_seq_len=max(seq_lens, default=0),
             query_lens_host=list(query_lens),
@@ -93,10 +99,18 @@ class PagedAttentionInputMetadata:
         )
 
 
+_NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32,
+                 torch.float64: np.float64, torch.bool: np.bool_}
+
+
 def host_to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host list (or array) as a device tensor, through pinned memory without blocking the
     host."""
-    t = torch.as_tensor(values, dtype=dtype)
+    if isinstance(values, list) and dtype in _NUMPY_DTYPES:
+        # numpy converts a list of Python numbers ~4x faster than torch.as_tensor
+        t = torch.from_numpy(np.array(values, dtype=_NUMPY_DTYPES[dtype]))
+    else:
+        t = torch.as_tensor(values, dtype=dtype)
     if device.type == "cuda":
         t = t.pin_memory()
     return t.to(device, non_blocking=True)

@@ -23,14 +23,18 @@ import bisect
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from pagedllm.kernels.metadata import PagedAttentionInputMetadata, pad_block_tables
+from pagedllm.kernels.metadata import (
+    PagedAttentionInputMetadata, host_to_device, pad_block_tables,
+)
 from pagedllm.models.device_map import DeviceGroup, DeviceMap
 
+_HOST = torch.device("cpu")
 logger = logging.getLogger(__name__)
 
 # Graphs for larger batches cost memory and capture time and save little: at that size the
@@ -87,9 +91,10 @@ class DecodeBatch:
 
     def pinned(self) -> "DecodeBatch":
         """Page-locked copies, so the copies to the device do not block the host."""
+        tables = self.block_tables
         return DecodeBatch(self.input_ids.pin_memory(), self.positions.pin_memory(),
                            self.slot_mapping.pin_memory(), self.seq_lens.pin_memory(),
-                           self.block_tables.pin_memory(), self.num_seqs)
+                           tables if tables.is_pinned() else tables.pin_memory(), self.num_seqs)
 
 
 def pad_decode_batch(
@@ -99,7 +104,10 @@ def pad_decode_batch(
     seq_lens: list[int],
     block_tables: list[list[int]],
     bucket: int,
+    padded_tables: torch.Tensor | None = None,
 ) -> DecodeBatch:
+    """The step's inputs padded to `bucket` rows; `padded_tables`: block_tables already
+    padded to it."""
     n = len(input_ids)
     if not n == len(positions) == len(slot_mapping) == len(seq_lens) == len(block_tables):
         raise ValueError(
@@ -110,11 +118,12 @@ def pad_decode_batch(
         raise ValueError(f"a batch of {n} sequences does not fit a graph of {bucket}")
     pad = bucket - n
     return DecodeBatch(
-        input_ids=torch.tensor(input_ids + [0] * pad, dtype=torch.int64),
-        positions=torch.tensor(positions + [0] * pad, dtype=torch.int64),
-        slot_mapping=torch.tensor(slot_mapping + [PAD_SLOT] * pad, dtype=torch.int64),
-        seq_lens=torch.tensor(seq_lens + [PAD_SEQ_LEN] * pad, dtype=torch.int32),
-        block_tables=pad_block_tables(block_tables, bucket),
+        input_ids=host_to_device(input_ids + [0] * pad, torch.int64, _HOST),
+        positions=host_to_device(positions + [0] * pad, torch.int64, _HOST),
+        slot_mapping=host_to_device(slot_mapping + [PAD_SLOT] * pad, torch.int64, _HOST),
+        seq_lens=host_to_device(seq_lens + [PAD_SEQ_LEN] * pad, torch.int32, _HOST),
+        block_tables=pad_block_tables(block_tables, bucket) if padded_tables is None
+        else padded_tables,
         num_seqs=n,
     )
 
@@ -131,16 +140,22 @@ class StaticMetadata:
         self.seq_lens = torch.full((n,), PAD_SEQ_LEN, **i32)
         self.query_start_loc = torch.arange(n + 1, **i32)  # one query token per sequence
         self.block_tables = torch.zeros((n, table_width), **i32)
+        # The host tables last copied in: the steps of a decode window share one tensor
+        # (FlatBatch.padded_block_tables), copied once.
+        self.loaded_tables: torch.Tensor | None = None
 
     def load(self, batch: "DecodeBatch", bucket: int) -> None:
         pin = self.positions.is_cuda
         width = batch.block_tables.shape[1]
-        for dst, src in (
+        copies = [
             (self.positions[:bucket], batch.positions),
             (self.slot_mapping[:bucket], batch.slot_mapping),
             (self.seq_lens[:bucket], batch.seq_lens),
-            (self.block_tables[:bucket, :width], batch.block_tables),
-        ):
+        ]
+        if batch.block_tables is not self.loaded_tables:
+            copies.append((self.block_tables[:bucket, :width], batch.block_tables))
+            self.loaded_tables = batch.block_tables
+        for dst, src in copies:
             dst.copy_(src, non_blocking=pin)
 
 
@@ -323,9 +338,11 @@ class DecodeCUDAGraphs:
         slot_mapping: list[int],
         seq_lens: list[int],
         block_tables: list[list[int]],
+        padded_tables: Callable[[int, bool], torch.Tensor] | None = None,
     ) -> int:
         """Copy a decode step's inputs, padded, into the static buffers of every device;
-        returns the bucket."""
+        returns the bucket. `padded_tables(bucket, pin)`: the block tables padded to the
+        bucket, the same tensor for each step that shares them (copied in only once)."""
         bucket = choose_bucket(self.sizes, len(input_ids))
         if bucket is None:
             raise ValueError(
@@ -333,14 +350,17 @@ class DecodeCUDAGraphs:
             )
         on_device = isinstance(input_ids, torch.Tensor)
         host_ids = [0] * len(input_ids) if on_device else input_ids
-        batch = pad_decode_batch(host_ids, positions, slot_mapping, seq_lens, block_tables, bucket)
+        pin = self.input_ids.is_cuda
+        tables = None if padded_tables is None else padded_tables(bucket, pin)
+        batch = pad_decode_batch(host_ids, positions, slot_mapping, seq_lens, block_tables, bucket,
+                                 tables)
         width = batch.block_tables.shape[1]
         if width > self.table_width:
             raise ValueError(
                 f"a block table of {width} blocks is longer than max_model_len allows "
                 f"({self.table_width} blocks)"
             )
-        if self.input_ids.is_cuda:
+        if pin:
             batch = batch.pinned()
         if on_device:  # the last step's samples (multi-step); padding rows keep old ids
             self.input_ids[: len(input_ids)].copy_(input_ids)
@@ -361,10 +381,12 @@ class DecodeCUDAGraphs:
         slot_mapping: list[int],
         seq_lens: list[int],
         block_tables: list[list[int]],
+        padded_tables: Callable[[int, bool], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Load this step's inputs, replay its bucket's graphs group by group, return
         [num_seqs, hidden]."""
-        bucket = self.load_inputs(input_ids, positions, slot_mapping, seq_lens, block_tables)
+        bucket = self.load_inputs(input_ids, positions, slot_mapping, seq_lens, block_tables,
+                                  padded_tables)
         out = self.device_map.walk(
             None, lambda group, _: self._replay(bucket, group.index),
             lambda state, group: self._load_state(state, group, bucket),

@@ -18,7 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.kernels.metadata import PagedAttentionInputMetadata, host_to_device, slots_for
+from pagedllm.kernels.metadata import (
+    PagedAttentionInputMetadata, host_to_device, pad_block_tables, slots_for,
+)
 from pagedllm.layers.sampler import (
     SampledBatch, Sampler, SamplingRow, compute_prompt_logprobs, make_generator,
 )
@@ -70,6 +72,19 @@ class FlatBatch:
     from_last_samples: list[tuple[int, int]] = field(default_factory=list)
     # Speculative rows, (seq_id, row, proposals): their k+1 logits rows come last.
     spec_rows: list[tuple[int, SamplingRow, list[int]]] = field(default_factory=list)
+    # block_tables padded into host tensors, by (rows, pinned): made once for all the steps
+    # of a decode window, which share the tables (next_decode_step passes this on).
+    padded: dict[tuple[int, bool], torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def padded_block_tables(self, num_rows: int | None = None, pin: bool = False) -> torch.Tensor:
+        """block_tables as a [num_rows, widest] int32 host tensor (pad_block_tables), page
+        locked with `pin`; the same tensor for every step that shares these tables."""
+        key = (num_rows or len(self.block_tables), pin)
+        tables = self.padded.get(key)
+        if tables is None:
+            tables = pad_block_tables(self.block_tables, key[0])
+            tables = self.padded[key] = tables.pin_memory() if pin else tables
+        return tables
 
     @property
     def max_query_len(self) -> int:
@@ -87,7 +102,7 @@ class FlatBatch:
             seq_lens += range(n - q + 1, n + 1)
             tables += [table] * q
         return replace(self, query_lens=[1] * len(self.input_ids), seq_lens=seq_lens,
-                       block_tables=tables)
+                       block_tables=tables, padded={})
 
     def next_decode_step(self, block_size: int) -> "FlatBatch":
         """The same decode batch one token further on (multi-step): positions, context lengths
@@ -104,6 +119,7 @@ class FlatBatch:
             block_tables=self.block_tables,
             logits_indices=self.logits_indices,
             sample_rows=self.sample_rows,
+            padded=self.padded,
         )
 
 
@@ -413,7 +429,7 @@ class ModelRunner:
         the metadata once to each later device group). `input_ids`: already on the device."""
         meta = PagedAttentionInputMetadata.build(
             b.positions, b.slot_mapping, b.query_lens, b.seq_lens, b.block_tables,
-            device=self.input_device,
+            device=self.input_device, padded_tables=b.padded_block_tables(),
         )
         if input_ids is None:
             input_ids = host_to_device(b.input_ids, torch.long, self.input_device)
@@ -431,7 +447,8 @@ class ModelRunner:
         given, replaces b.input_ids with a device tensor (multi-step, async scheduling)."""
         if self.uses_graph(b):
             ids = b.input_ids if input_ids is None else input_ids
-            return self.graphs.run(ids, b.positions, b.slot_mapping, b.seq_lens, b.block_tables)
+            return self.graphs.run(ids, b.positions, b.slot_mapping, b.seq_lens, b.block_tables,
+                                   b.padded_block_tables)
         inp = self.prepare_input(b, input_ids)
         return self.model(inp.input_ids, kv_caches, inp.metadata)
 
