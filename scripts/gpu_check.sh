@@ -42,6 +42,9 @@
 #                      load_tokenizer(default_model_path()).save_pretrained('.whl/smollm2-tokenizer')"
 #                    pip download llguidance==1.9.1 --no-deps -d .whl
 #                  Run: GPU_CHECK_STEPS=structured-nano scripts/gpu_check.sh
+#   host-profile   scripts/profile_host.py at that shape with a JSON schema (not in the
+#                  default list): the host's time per phase and its waits on the device,
+#                  unconstrained and half constrained
 #
 # Environment: OUT (log folder, default ./gpu-check-logs), PYTHON (default python3),
 # GPU_CHECK_STEPS (comma list, default all of the above), GPU_CHECK_PEERS (nano | all | 0:
@@ -135,6 +138,10 @@ run_step structured-nano 600 "$LOGS/bench.log" $PY "$WORK/bench.py" structured \
     --tokenizer "$REPO/.whl/smollm2-tokenizer" --batch-sizes 256 --constrained-fraction 0.5 \
     --min-input-len 100 --max-input-len 1024 --max-tokens 256 --temperature 0.6 \
     --out "$WORK/structured-nano.json"
+run_step host-profile 420 "$LOGS/host_profile.log" $PY scripts/profile_host.py \
+    --model qwen3-0.6b --load-format dummy --dtype bfloat16 --device cuda \
+    --tokenizer "$REPO/.whl/smollm2-tokenizer" --batch 256 --min-input-len 100 \
+    --max-input-len 1024 --max-tokens 256 --temperature 0.6 --constraint json
 [ -f "$WORK/structured-nano.json" ] && { echo "-- structured-nano.json"; cat "$WORK/structured-nano.json"; } >>"$LOGS/bench.log"
 # FP8 weights: kernel checks + agreement, then the two 8B workloads beside the bf16 runs above.
 run_step fp8 420 "$LOGS/fp8.log" $PY scripts/gpu_fp8_check.py --out "$LOGS/fp8.json"

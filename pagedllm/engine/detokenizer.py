@@ -24,15 +24,18 @@ class Detokenizer:
         """Append the text of newly generated tokens to seq.output_text; return that text."""
         if self.tokenizer is None:
             return ""
-        ids = seq.get_token_ids()
+        # the window only: copying the whole prompt + output per token costs O(length)
+        length = seq.get_len()
+        ids = seq.token_slice(seq.prefix_offset, length)
         decode = self.tokenizer.decode
-        prefix = decode(ids[seq.prefix_offset: seq.read_offset], skip_special_tokens=skip_special_tokens)
-        full = decode(ids[seq.prefix_offset:], skip_special_tokens=skip_special_tokens)
+        prefix = decode(ids[: seq.read_offset - seq.prefix_offset],
+                        skip_special_tokens=skip_special_tokens)
+        full = decode(ids, skip_special_tokens=skip_special_tokens)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""
         new_text = full[len(prefix):]
         seq.prefix_offset = seq.read_offset
-        seq.read_offset = len(ids)
+        seq.read_offset = length
         seq.output_text += new_text
         return new_text
 
@@ -41,11 +44,11 @@ class Detokenizer:
         """The whole output text at once, with the same prompt context as decode_new."""
         if self.tokenizer is None:
             return ""
-        ids = seq.get_token_ids()
         start = max(seq.get_prompt_len() - PREFIX_WINDOW, 0)
-        prefix = self.tokenizer.decode(ids[start: seq.get_prompt_len()],
+        ids = seq.token_slice(start, seq.get_len())
+        prefix = self.tokenizer.decode(ids[: seq.get_prompt_len() - start],
                                        skip_special_tokens=skip_special_tokens)
-        full = self.tokenizer.decode(ids[start:], skip_special_tokens=skip_special_tokens)
+        full = self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
         return full[len(prefix):]
 
 

@@ -61,6 +61,12 @@ def ll_tokenizer(tokenizer: Any, eos_token_ids: list[int]) -> Any:
     return entry[1]
 
 
+def _usable_cpus() -> int:
+    if hasattr(os, "sched_getaffinity"):  # Linux: the cores this process may run on
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
+
+
 class StructuredOutputManager:
     """The matchers of the engine's constrained sequences, by seq_id."""
 
@@ -194,7 +200,9 @@ class StructuredOutputManager:
             if self._executor is None:
                 import llguidance
 
-                self._executor = llguidance.LLExecutor(max(1, min(8, os.cpu_count() or 1)))
+                # The engine's thread waits on the masks: every core this process may run on
+                # can fill them (up to 32, llguidance's own cap).
+                self._executor = llguidance.LLExecutor(min(32, _usable_cpus()))
             self._executor.unsafe_compute_mask_ptr(
                 [(m, i) for i, m in enumerate(which)], mask.data_ptr(), mask.shape[1] * 4,
                 len(which))

@@ -196,8 +196,8 @@ def engine_args(model: str | None = None, **kwargs: Any) -> EngineArgs:
 
 
 def _is_token_ids(value: Any) -> bool:
-    return isinstance(value, list) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in value)
+    # `type(t) is int`: an int that is not a bool, in one check per token of every prompt
+    return isinstance(value, list) and all(type(t) is int for t in value)
 
 
 def _prompt_list(prompts: Any) -> list[Any]:
