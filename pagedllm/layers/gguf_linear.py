@@ -32,9 +32,11 @@ MAX_PACKED_ROWS = 64
 # Prompts go through quant.c's gguf_blas_matmul_f32: each thread dequantizes its own share
 # of the output rows, at most DEQUANT_THREAD_CHUNK_BYTES of fp32 at a time (for the default
 # model's layers: the whole share at once), into a buffer of its own, and multiplies it with
-# MKL's single-threaded sgemm. On the 2-core EPYC here that ran a 512-token prompt's
-# projections 5-8% faster than one two-threaded GEMM per weight (F.linear, what the fp32
-# model runs) when the machine was idle, and 15-30% faster with another job on a core.
+# MKL's single-threaded sgemm. On the 2-core EPYC here, idle, a 512-token prompt's
+# projections take about as long as (within 1%) the fp32 model's F.linear on its weights (one two-threaded
+# GEMM each; the sgemms gain back what dequantizing costs, ~1.5%), where dequantize +
+# F.linear was 1-4% behind; with another job on the machine it ran 15-25% faster than both
+# (no two-thread barrier inside each GEMM to wait on a descheduled thread).
 DEQUANT_THREAD_CHUNK_BYTES = 4 << 20
 # Where torch links no MKL (no sgemm to call from C): dequantize at most this many fp32
 # bytes at once (an LM head of 49k rows would be 113 MB in one piece), into one buffer per
