@@ -45,6 +45,12 @@ def check_kernels(qtype, n, blocks):
         x[0, :32] *= 50  # an outlier block: its own activation scale
         y = quant.matmul(x, packed, qtype, n)
         assert violations(y, x, want, int16_activations=rows <= 8) == 0, f"{rows} rows"
+    if quant.sgemm_address() is not None:  # the prompt path: dequantize + MKL's sgemm
+        x = torch.randn(70, k, generator=g)
+        y = torch.empty(70, n)
+        quant.blas_matmul_unchecked(y, x, packed.data_ptr(), qtype, n, 0, 16,
+                                    quant.sgemm_address())
+        assert violations(y, x, want, int16_activations=False) == 0
 
 
 @pytest.mark.parametrize("n, blocks", SHAPES)
@@ -60,6 +66,23 @@ def test_matmul_writes_a_column_slice_of_a_wider_output():
     quant.matmul(x, packed, QT.Q4_1, 40, out[:, 30:70])
     assert violations(out[:, 30:70], x, want, int16_activations=True) == 0
     assert (out[:, :30] == 7).all() and (out[:, 70:] == 7).all()
+
+
+@pytest.mark.skipif(quant.sgemm_address() is None, reason="torch links no MKL sgemm")
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_blas_matmul_of_dequantized_slices(qtype):
+    """The prompt path (gguf_blas_matmul_f32): each thread dequantizes its share of the
+    rows, chunk_rows at a time, and multiplies them with MKL's sgemm, into a column slice
+    of a wider output; shares that are not whole chunks, and n too small to share."""
+    sgemm = quant.sgemm_address()
+    for n, blocks, chunk_rows in [(67, 3, 5), (67, 3, 1000), (13, 37, 1), (5, 1, 4)]:
+        packed, want, k = packed_case(qtype, n, blocks, seed=n)
+        x = torch.randn(70, k, generator=torch.Generator().manual_seed(n))
+        x[0, :32] *= 50
+        out = torch.full((70, n + 9), 7.0)
+        quant.blas_matmul_unchecked(out, x, packed.data_ptr(), qtype, n, 4, chunk_rows, sgemm)
+        assert violations(out[:, 4:4 + n], x, want, int16_activations=False) == 0, (n, chunk_rows)
+        assert (out[:, :4] == 7).all() and (out[:, 4 + n:] == 7).all()
 
 
 # ----------------------------------------------------------------------------- mutations
@@ -100,17 +123,32 @@ def test_a_wrong_scale_or_value_order_fails_the_check(qtype, how, rows):
     assert violations(quant.matmul(x, torch.from_numpy(packed.reshape(-1).copy()), qtype, n),
                       x, want, int16) == 0
     assert violations(F.linear(x, quant.dequantize(bad, qtype, n, k)), x, want, False) > 0.5
+    if quant.sgemm_address() is not None:
+        for packed_w, broken in ((bad, True), (torch.from_numpy(packed.reshape(-1).copy()), False)):
+            y = torch.empty(rows, n)
+            quant.blas_matmul_unchecked(y, x, packed_w.data_ptr(), qtype, n, 0, 5,
+                                        quant.sgemm_address())
+            assert (violations(y, x, want, False) > 0.5) == broken
 
 
 # ----------------------------------------------------------------------------- layers
 
 
+@pytest.mark.parametrize("blas", ["sgemm", "torch"])
 @pytest.mark.parametrize("rows", [1, 4, 5, 31, 33, 64, 65, 600])
-def test_linear_of_mixed_parts_with_bias(rows, monkeypatch):
+def test_linear_of_mixed_parts_with_bias(rows, blas, monkeypatch):
     """A fused projection of three parts of two types (as Q4_K_M files mix them), with a
     bias: the packed kernels up to MAX_PACKED_ROWS rows, dequantize + BLAS above, in slices
-    (DEQUANT_CHUNK_BYTES made small to cut the weight in several)."""
+    (the chunk sizes made small to cut the weight in several): through MKL's sgemm from
+    the C kernel, or where torch links no MKL through torch's GEMM."""
+    if rows <= gguf_linear.MAX_PACKED_ROWS and blas == "torch":
+        pytest.skip("the packed kernels do not use BLAS")
+    if blas == "sgemm" and quant.sgemm_address() is None:
+        pytest.skip("torch links no MKL sgemm")
+    if blas == "torch":
+        monkeypatch.setattr(quant, "sgemm_address", lambda: None)
     monkeypatch.setattr(gguf_linear, "DEQUANT_CHUNK_BYTES", 40 * 512 * 4)
+    monkeypatch.setattr(gguf_linear, "DEQUANT_THREAD_CHUNK_BYTES", 24 * 512 * 4)
     k, parts = 512, [(QT.Q4_K, 96), (QT.Q6_K, 32), (QT.Q6_K, 32)]
     layer = GGUFLinear(k, 160, make_segments(parts, k), bias=True)
     assert [s.rows for s in layer.segments] == [96, 64]  # neighbours of one type merged

@@ -3,8 +3,9 @@
 A 135M-parameter model reads 538 MB of fp32 weights per decoded token; its Q4_1/Q8_0 GGUF
 holds them in 94 MB. GGUFLinear keeps a linear layer's rows as the file packs them and
 multiplies with them directly (kernels/cpu/quant.c): small batches (decode) run the packed
-matmul, larger ones (prompts) dequantize the weight a slice at a time and use BLAS, where
-the GEMM's cost dwarfs the dequantization. GGUFEmbedding keeps a packed embedding table,
+matmul, larger ones (prompts) dequantize the weight a slice at a time and use BLAS (MKL's
+sgemm, one per thread on its own share of the rows), where the GEMM's cost dwarfs the
+dequantization. GGUFEmbedding keeps a packed embedding table,
 dequantizes only the rows it looks up, and serves as the tied LM head.
 
 A fused projection (q|k|v, gate|up) loads its parts one by one, and they may be of
@@ -28,10 +29,20 @@ from pagedllm.kernels.cpu import quant
 # Q4_1 shapes, one core: the packed kernel is 1.1-1.4x ahead at 64 rows, even to 1.2x
 # behind at 128, behind BLAS at 256+).
 MAX_PACKED_ROWS = 64
-# Dequantize at most this many fp32 bytes at once on the BLAS path (an LM head of 49k rows
-# would be 113 MB in one piece), into one buffer per thread that every layer reuses rather
-# than fresh memory per weight (page faults). Smaller pieces (4 or 8 MB, to stay in L3) made
-# a 512-token prompt slower here: more, narrower GEMMs.
+# Prompts go through quant.c's gguf_blas_matmul_f32: each thread dequantizes its own share
+# of the output rows, at most DEQUANT_THREAD_CHUNK_BYTES of fp32 at a time (for the default
+# model's layers: the whole share at once), into a buffer of its own, and multiplies it with
+# MKL's single-threaded sgemm. On the 2-core EPYC here, idle, a 512-token prompt's
+# projections take about as long as (within 1%) the fp32 model's F.linear on its weights (one two-threaded
+# GEMM each; the sgemms gain back what dequantizing costs, ~1.5%), where dequantize +
+# F.linear was 1-4% behind; with another job on the machine it ran 15-25% faster than both
+# (no two-thread barrier inside each GEMM to wait on a descheduled thread).
+DEQUANT_THREAD_CHUNK_BYTES = 4 << 20
+# Where torch links no MKL (no sgemm to call from C): dequantize at most this many fp32
+# bytes at once (an LM head of 49k rows would be 113 MB in one piece), into one buffer per
+# thread that every layer reuses rather than fresh memory per weight (page faults), and run
+# F.linear on it. Smaller pieces (4 or 8 MB, to stay in L3) made a 512-token prompt slower
+# here: more, narrower GEMMs.
 DEQUANT_CHUNK_BYTES = 16 << 20
 _scratch = threading.local()
 
@@ -142,6 +153,19 @@ class PackedMatrix(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def _blas_matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        sgemm = quant.sgemm_address()
+        if sgemm is None:
+            return self._torch_blas_matmul(rows)
+        k = self.in_features
+        out = torch.empty(rows.shape[0], self.out_features)
+        base = self.qweight.data_ptr()
+        for s in self.segments:
+            chunk_rows = max(1, DEQUANT_THREAD_CHUNK_BYTES // (4 * k))
+            quant.blas_matmul_unchecked(out, rows, base + s.offset, s.qtype, s.rows, s.start,
+                                        chunk_rows, sgemm)
+        return out
+
+    def _torch_blas_matmul(self, rows: torch.Tensor) -> torch.Tensor:
         pieces = []
         k = self.in_features
         for s in self.segments:

@@ -22,6 +22,8 @@ SUPPORTED_TYPES = frozenset({QuantType.Q8_0, QuantType.Q4_0, QuantType.Q4_1, Qua
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES = {
     "gguf_dequantize_f32": ([_ptr, _ptr] + [_i64] * 4, None),
+    "gguf_blas_matmul_f32": ([_ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr,
+                              _i64, _i64], _i64),
     "gguf_get_rows_f32": ([_ptr, _ptr, _i64, _i64, _ptr, _i64, _i64], None),
     "gguf_matmul_f32": ([_ptr, _i64, _ptr, _i64, _i64, _ptr] + [_i64] * 4, None),
 }
@@ -120,3 +122,30 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, qtype: int, n: int,
     _kernel("gguf_matmul_f32")(out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), rows,
                                packed.data_ptr(), int(qtype), n, k, torch.get_num_threads())
     return out
+
+
+@functools.cache
+def sgemm_address() -> int | None:
+    """The address of the BLAS sgemm torch links (MKL's Fortran `sgemm_` in libtorch_cpu),
+    or None where there is none to find (another BLAS, or a torch without MKL)."""
+    import os
+
+    if not torch.backends.mkl.is_available():
+        return None
+    path = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    try:
+        return ctypes.cast(ctypes.CDLL(path).sgemm_, ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return None
+
+
+def blas_matmul_unchecked(out: torch.Tensor, x: torch.Tensor, weight_ptr: int, qtype: int,
+                          n: int, col: int, chunk_rows: int, sgemm: int) -> None:
+    """out[:, col:col + n] = x . W^T for x [rows, k] fp32 with contiguous rows, through
+    the sgemm at address `sgemm`, each thread dequantizing at most chunk_rows rows at a
+    time."""
+    status = _kernel("gguf_blas_matmul_f32")(
+        out.data_ptr() + 4 * col, out.stride(0), x.data_ptr(), x.stride(0), x.shape[0],
+        weight_ptr, qtype, n, x.shape[1], sgemm, chunk_rows, torch.get_num_threads())
+    if status != 0:
+        raise MemoryError("no memory for the dequantized weight rows")
