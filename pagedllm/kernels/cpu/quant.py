@@ -125,9 +125,11 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, qtype: int, n: int,
 
 
 @functools.cache
+@functools.cache
 def sgemm_address() -> int | None:
     """The address of the BLAS sgemm torch links (MKL's Fortran `sgemm_` in libtorch_cpu),
-    or None where there is none to find (another BLAS, or a torch without MKL)."""
+    or None where there is none to find (another BLAS, or a torch without MKL). Looked up
+    once: every prompt's every projection asks."""
     import os
 
     if not torch.backends.mkl.is_available():
