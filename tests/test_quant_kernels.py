@@ -134,15 +134,17 @@ def test_a_wrong_scale_or_value_order_fails_the_check(qtype, how, rows):
 # ----------------------------------------------------------------------------- layers
 
 
-@pytest.mark.parametrize("blas", ["sgemm", "torch"])
-@pytest.mark.parametrize("rows", [1, 4, 5, 31, 33, 64, 65, 600])
+_LINEAR_ROWS = [1, 4, 5, 31, 33, 64, 65, 600]
+
+
+# The torch variant only where BLAS runs at all (above MAX_PACKED_ROWS).
+@pytest.mark.parametrize("rows,blas", [(r, "sgemm") for r in _LINEAR_ROWS] + [
+    (r, "torch") for r in _LINEAR_ROWS if r > gguf_linear.MAX_PACKED_ROWS])
 def test_linear_of_mixed_parts_with_bias(rows, blas, monkeypatch):
     """A fused projection of three parts of two types (as Q4_K_M files mix them), with a
     bias: the packed kernels up to MAX_PACKED_ROWS rows, dequantize + BLAS above, in slices
     (the chunk sizes made small to cut the weight in several): through MKL's sgemm from
     the C kernel, or where torch links no MKL through torch's GEMM."""
-    if rows <= gguf_linear.MAX_PACKED_ROWS and blas == "torch":
-        pytest.skip("the packed kernels do not use BLAS")
     if blas == "sgemm" and quant.sgemm_address() is None:
         pytest.skip("torch links no MKL sgemm")
     if blas == "torch":
