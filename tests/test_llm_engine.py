@@ -290,8 +290,8 @@ def test_window_appends_stop_as_token_by_token_appends(default_llm, monkeypatch)
 
 
 def test_steps_run_with_the_heap_frozen(default_llm, monkeypatch):
-    """The garbage collector skips the objects alive when a step starts only during the
-    step; a heap the process froze itself is left frozen."""
+    """The garbage collector skips the objects alive when the engine got busy while it
+    works, and not once it is idle; a heap the process froze itself is left frozen."""
     engine = default_llm.engine
     seen: list[int] = []
     step = engine._step
@@ -301,11 +301,15 @@ def test_steps_run_with_the_heap_frozen(default_llm, monkeypatch):
         return step()
 
     monkeypatch.setattr(engine, "_step", recording)
-    default_llm.generate(PROMPT, SamplingParams(max_tokens=2), use_tqdm=False)
+    engine.add_request("frozen", PROMPT, SamplingParams(max_tokens=3))
+    engine.step()
+    assert gc.get_freeze_count() > 0  # still busy: stays frozen between steps
+    while engine.has_unfinished_requests():
+        engine.step()
     assert seen and min(seen) > 0 and gc.get_freeze_count() == 0
     gc.freeze()
     try:
         default_llm.generate(PROMPT, SamplingParams(max_tokens=2), use_tqdm=False)
-        assert gc.get_freeze_count() > 0  # not unfrozen by a step
+        assert gc.get_freeze_count() > 0  # not unfrozen by the engine
     finally:
         gc.unfreeze()

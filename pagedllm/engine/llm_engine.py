@@ -5,7 +5,6 @@ entrypoints (apply_chat_template is a convenience for them).
 """
 from __future__ import annotations
 
-import contextlib
 import gc
 import itertools
 import logging
@@ -80,21 +79,30 @@ class _InFlight:
     batch: StepBatch
 
 
-@contextlib.contextmanager
-def _frozen_heap():
-    """The objects alive when a step starts (the block pools' blocks, the model's modules,
-    everything imported) kept out of the garbage collector's passes during the step. A full
-    pass walks every tracked object: ~0.3 s for the 850k of a CPU engine, every few
-    thousand sequences' worth of steps otherwise. Unfrozen after the step, so a dropped
-    engine is collected as usual; left alone when the process froze its own heap."""
-    if gc.get_freeze_count():
-        yield
-        return
-    gc.freeze()
-    try:
-        yield
-    finally:
+# Whether the engine froze the garbage collector's heap (gc's state is the process's).
+_heap_frozen = False
+
+
+def _freeze_heap() -> None:
+    """The objects alive when the engine gets busy (the block pools' blocks, the model's
+    modules, everything imported) kept out of the collector's passes until it is idle. A
+    full pass walks every tracked object: ~0.3 s for the 850k of a CPU engine, every few
+    thousand sequences' worth of steps otherwise. Left alone when the process froze its
+    own heap (get_freeze_count counts: asked only while ours is not frozen)."""
+    global _heap_frozen
+    if not _heap_frozen and not gc.get_freeze_count():
+        gc.freeze()
+        _heap_frozen = True
+
+
+def _unfreeze_heap() -> None:
+    """Idle again: a dropped engine is collected as usual. (Unfreezing after every step
+    instead would leave the collector's count of old objects at the frozen heap's few, and
+    full passes over the whole heap would come often between steps.)"""
+    global _heap_frozen
+    if _heap_frozen:
         gc.unfreeze()
+        _heap_frozen = False
 
 
 @dataclass
@@ -259,6 +267,8 @@ class LLMEngine:
             group = self.requests.get(rid)
             if group is not None:
                 self._forget(group)
+        if not self.has_unfinished_requests():
+            _unfreeze_heap()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_seqs() or self._in_flight is not None
@@ -272,8 +282,15 @@ class LLMEngine:
         detokenize, stop, free). With async scheduling the next decode window is launched
         before this one's samples are read (Scheduler.schedule_continuation), so the host's
         update overlaps the device's next forward."""
-        with _frozen_heap():
-            return self._step()
+        _freeze_heap()
+        try:
+            outputs = self._step()
+        except BaseException:
+            _unfreeze_heap()
+            raise
+        if not self.has_unfinished_requests():
+            _unfreeze_heap()
+        return outputs
 
     def _step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
@@ -634,6 +651,7 @@ class LLMEngine:
     # -------------------------------------------------------------------- misc
     def shutdown(self) -> None:
         """Stop the tensor-parallel ranks, if any (also done at exit)."""
+        _unfreeze_heap()
         self.worker.shutdown()
 
     def get_stats(self) -> EngineStats:
