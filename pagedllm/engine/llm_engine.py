@@ -114,8 +114,9 @@ class _SampleColumns:
     first: dict[int, int]  # seq_id -> its row's sample, for rows of one sample
 
 
-def _sample_columns(result: StepResult) -> _SampleColumns:
-    if result.sampled is None:
+def _sample_columns(result: StepResult, wanted: bool) -> _SampleColumns:
+    """Empty unless `wanted` (offline: streamed text appends token by token)."""
+    if result.sampled is None or not wanted:
         return _SampleColumns([], [], {})
     first, index = {}, 0
     for seq_id, n in zip(result.seq_ids, result.num_samples):
@@ -412,7 +413,7 @@ class LLMEngine:
         after the first also counting its step's token as computed; then the outputs.
         `between` runs after every few groups."""
         outputs = []
-        columns = _sample_columns(result)
+        columns = _sample_columns(result, wanted=not self.stream_outputs)
         steps = None  # every sample as a SampleResult, built when a row needs one
         now = time.monotonic()
         for i, scheduled in enumerate(out.scheduled_seq_groups):
@@ -431,8 +432,7 @@ class LLMEngine:
                     self.scheduler.mark_computed(seq, scheduled.token_chunk_size)
                     continue
                 first = columns.first.get(seq.seq_id)
-                if first is not None and params.logprobs is None and not params.stop \
-                        and not self.stream_outputs:
+                if first is not None and params.logprobs is None and not params.stop:
                     self._append_window(seq, group, columns.token_ids[first],
                                         columns.logprobs[first], scheduled.token_chunk_size)
                     continue

@@ -33,10 +33,10 @@ MAX_PACKED_ROWS = 64
 # of the output rows, at most DEQUANT_THREAD_CHUNK_BYTES of fp32 at a time (for the default
 # model's layers: the whole share at once), into a buffer of its own, and multiplies it with
 # MKL's single-threaded sgemm. On the 2-core EPYC here, idle, a 512-token prompt's
-# projections take about as long as (within 1%) the fp32 model's F.linear on its weights (one two-threaded
-# GEMM each; the sgemms gain back what dequantizing costs, ~1.5%), where dequantize +
-# F.linear was 1-4% behind; with another job on the machine it ran 15-25% faster than both
-# (no two-thread barrier inside each GEMM to wait on a descheduled thread).
+# projections take about as long as (within 1%) the fp32 model's F.linear on its weights
+# (one two-threaded GEMM each; the sgemms gain back what dequantizing costs, ~1.5%), where
+# dequantize + F.linear was 1-4% behind; with another job on the machine it ran 15-25%
+# faster than both (no two-thread barrier inside each GEMM to wait on a descheduled thread).
 DEQUANT_THREAD_CHUNK_BYTES = 4 << 20
 # Where torch links no MKL (no sgemm to call from C): dequantize at most this many fp32
 # bytes at once (an LM head of 49k rows would be 113 MB in one piece), into one buffer per
@@ -156,11 +156,10 @@ class PackedMatrix(nn.Module):
         sgemm = quant.sgemm_address()
         if sgemm is None:
             return self._torch_blas_matmul(rows)
-        k = self.in_features
+        chunk_rows = max(1, DEQUANT_THREAD_CHUNK_BYTES // (4 * self.in_features))
         out = torch.empty(rows.shape[0], self.out_features)
         base = self.qweight.data_ptr()
         for s in self.segments:
-            chunk_rows = max(1, DEQUANT_THREAD_CHUNK_BYTES // (4 * k))
             quant.blas_matmul_unchecked(out, rows, base + s.offset, s.qtype, s.rows, s.start,
                                         chunk_rows, sgemm)
         return out

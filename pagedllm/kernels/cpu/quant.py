@@ -125,7 +125,6 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, qtype: int, n: int,
 
 
 @functools.cache
-@functools.cache
 def sgemm_address() -> int | None:
     """The address of the BLAS sgemm torch links (MKL's Fortran `sgemm_` in libtorch_cpu),
     or None where there is none to find (another BLAS, or a torch without MKL). Looked up
