@@ -19,8 +19,12 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import gc
 import random
+import threading
 import time
+import traceback
+import warnings
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.benchmarks.workloads import STRUCTURED_JSON, STRUCTURED_TEXT
@@ -36,22 +40,35 @@ def wrap(owner, name: str, label: str) -> None:
 
     @functools.wraps(inner_fn)
     def timed(*args, **kwargs):
-        start = time.perf_counter()
-        _stack.append(0.0)
-        try:
-            return inner_fn(*args, **kwargs)
-        finally:
-            elapsed = time.perf_counter() - start
-            nested = _stack.pop()
-            TOTALS[label] += elapsed - nested
-            CALLS[label] += 1
-            if _stack:
-                _stack[-1] += elapsed
+        return wrap_call(label, inner_fn, *args, **kwargs)
 
     setattr(owner, name, timed)
 
 
-def install(llm: LLM) -> None:
+def wrap_call(label: str, fn, *args, **kwargs):
+    """fn(*args, **kwargs), its exclusive wall time added to `label`'s row."""
+    if threading.current_thread() is not threading.main_thread():
+        # Another thread's time overlaps the engine's: its own row, out of the nesting.
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            TOTALS[f"other thread: {label}"] += time.perf_counter() - start
+            CALLS[f"other thread: {label}"] += 1
+    start = time.perf_counter()
+    _stack.append(0.0)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        elapsed = time.perf_counter() - start
+        nested = _stack.pop()
+        TOTALS[label] += elapsed - nested
+        CALLS[label] += 1
+        if _stack:
+            _stack[-1] += elapsed
+
+
+def install(llm: LLM, mask_threads: int | None = None) -> None:
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.worker import model_runner as mr
     from pagedllm.worker.inputs import StepResult
@@ -64,13 +81,71 @@ def install(llm: LLM) -> None:
     wrap(type(engine.batch_builder), "build", "batch_builder.build")
     wrap(StepResult, "samples", "StepResult.samples")
     wrap(type(engine.structured), "advance", "structured.advance")
-    wrap(type(engine.structured), "fill_bitmask", "structured.fill_bitmask")
+    for name in ("start_fill", "finish_fill"):
+        wrap(type(engine.structured), name, f"structured.{name}")
+    engine.structured._executor = _TimedExecutor(mask_threads)
     for name in ("gather", "apply", "prepare_input"):
         wrap(mr.ModelRunner, name, f"runner.{name}")
     wrap(mr.ModelRunner, "forward", "model: forward")
     wrap(engine.worker.model, "compute_logits", "model: compute_logits")
     wrap(mr.DecodeWindow, "sample_with_bitmask", "model: sample_with_bitmask")
+    wrap(mr, "apply_token_bitmask", "model: apply_token_bitmask")
+    wrap(type(engine.worker.runner.sampler), "sample", "model: sampler.sample")
+    wrap(mr.FlatBatch, "next_decode_step", "model: next_decode_step")
+    wrap(mr._HostCopy, "__init__", "model: samples copy queued")
     wrap(mr._HostCopy, "get", "wait: samples to the host")
+
+
+class _TimedExecutor:
+    """llguidance's executor (an extension type, so not wrappable in place), timed."""
+
+    def __init__(self, threads: int | None) -> None:
+        import llguidance
+
+        from pagedllm.engine.structured_output import _usable_cpus
+
+        self._inner = llguidance.LLExecutor(threads or min(32, _usable_cpus()))
+
+    def unsafe_compute_mask_ptr(self, *args):
+        wrap_call("llguidance: executor fill", self._inner.unsafe_compute_mask_ptr, *args)
+
+
+def show_syncs() -> None:
+    """Warn (once per place) where the host synchronizes with the device unasked."""
+    import torch
+
+    seen: set[str] = set()
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        stack = [f"{f.filename.split('pagedllm/')[-1]}:{f.lineno} {f.name}"
+                 for f in traceback.extract_stack()[:-2] if "pagedllm" in f.filename]
+        key = " <- ".join(reversed(stack[-4:]))
+        if key not in seen:
+            seen.add(key)
+            print(f"sync: {message} at {key}")
+
+    warnings.showwarning = show
+    warnings.simplefilter("always")
+    torch.cuda.set_sync_debug_mode("warn")
+
+
+_gc_start = [0.0]
+
+
+def time_gc(phase: str, info: dict) -> None:
+    """Collector passes, per generation, as rows of the report."""
+    if phase == "start":
+        _gc_start[0] = time.perf_counter()
+        return
+    elapsed = time.perf_counter() - _gc_start[0]
+    label = f"gc: generation {info['generation']} passes"
+    main = threading.current_thread() is threading.main_thread()
+    if not main:
+        label = f"other thread: {label}"
+    TOTALS[label] += elapsed
+    CALLS[label] += 1
+    if _stack and main:
+        _stack[-1] += elapsed
 
 
 def report(name: str, tokens: int, wall: float) -> None:
@@ -81,7 +156,7 @@ def report(name: str, tokens: int, wall: float) -> None:
     for label, seconds in sorted(TOTALS.items(), key=lambda kv: -kv[1]):
         print(f"  {label:32s} {seconds * 1e3:9.1f} ms {CALLS[label]:7d} calls "
               f"{1e6 * seconds / tokens:7.2f} us/token")
-    rest = wall - sum(TOTALS.values())
+    rest = wall - sum(v for k, v in TOTALS.items() if not k.startswith("other thread"))
     print(f"  {'(not wrapped)':32s} {rest * 1e3:9.1f} ms {'':13s} {1e6 * rest / tokens:7.2f} us/token")
     TOTALS.clear()
     CALLS.clear()
@@ -104,6 +179,11 @@ def main() -> None:
                    help="default: the engine's (8 on CUDA, 1 on the CPU)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes (CPU)")
+    p.add_argument("--constrained-only", action="store_true", help="skip the unconstrained run")
+    p.add_argument("--mask-threads", type=int, default=None,
+                   help="llguidance's mask-filling threads (default: the engine's)")
+    p.add_argument("--show-syncs", action="store_true",
+                   help="CUDA: print where the host waits on the device unasked")
     args = p.parse_args()
     kwargs = dict(load_format=args.load_format, dtype=args.dtype, enable_prefix_caching=False,
                   max_num_seqs=args.batch)
@@ -126,9 +206,14 @@ def main() -> None:
     half = args.batch // 2
     runs = [("unconstrained", [plain] * args.batch),
             (f"{half}/{args.batch} constrained", [constrained] * half + [plain] * (args.batch - half))]
+    if args.constrained_only:
+        runs = runs[1:]
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, structured_outputs=constraint),
                  use_tqdm=False)
-    install(llm)
+    install(llm, args.mask_threads)
+    gc.callbacks.append(time_gc)
+    if args.show_syncs:
+        show_syncs()
     for name, params in runs:
         llm.generate(prompts, params, use_tqdm=False)  # warm-up: this shape once
         TOTALS.clear()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import weakref
 
 import pytest
 import torch
@@ -290,8 +291,13 @@ def test_window_appends_stop_as_token_by_token_appends(default_llm, monkeypatch)
 
 
 def test_steps_run_with_the_heap_frozen(default_llm, monkeypatch):
-    """The garbage collector skips the objects alive when the engine got busy while it
-    works, and not once it is idle; a heap the process froze itself is left frozen."""
+    """The garbage collector skips the objects alive when an engine first stepped, while
+    it works and while it is idle; once an engine is dropped they are unfrozen (its model
+    is collectable) and frozen again at the next step; a heap the process froze itself is
+    left frozen."""
+    from pagedllm import LLM
+    from pagedllm.engine import llm_engine
+
     engine = default_llm.engine
     seen: list[int] = []
     step = engine._step
@@ -302,12 +308,20 @@ def test_steps_run_with_the_heap_frozen(default_llm, monkeypatch):
 
     monkeypatch.setattr(engine, "_step", recording)
     engine.add_request("frozen", PROMPT, SamplingParams(max_tokens=3))
-    engine.step()
-    assert gc.get_freeze_count() > 0  # still busy: stays frozen between steps
     while engine.has_unfinished_requests():
         engine.step()
-    assert seen and min(seen) > 0 and gc.get_freeze_count() == 0
-    gc.freeze()
+    assert seen and min(seen) > 0 and gc.get_freeze_count() > 0  # idle: still frozen
+    other = LLM(model="smollm2-135m", load_format="dummy", kv_cache_memory=1 << 24)
+    other.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+    model = weakref.ref(other.engine.worker.model)
+    del other
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert model() is None
+    default_llm.generate(PROMPT, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert gc.get_freeze_count() > 0
+    llm_engine._unfreeze_heap()  # as shutdown() does
+    gc.freeze()  # the process's own
     try:
         default_llm.generate(PROMPT, SamplingParams(max_tokens=2), use_tqdm=False)
         assert gc.get_freeze_count() > 0  # not unfrozen by the engine

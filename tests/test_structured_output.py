@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import json
 import re
+import threading
 
 import jsonschema
 import pytest
@@ -309,7 +310,18 @@ def test_sampled_constraints_in_decode_windows_always_validate(llm, monkeypatch)
                                      structured_outputs=StructuredOutputsParams(regex=pattern)))
         prompts.append(chat(llm, f"Tell a story about {SUBJECTS[i]}."))
         params.append(SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True))
+    fillers = []
+    compute = engine.structured._compute_masks
+
+    def record(which, mask):
+        fillers.append(threading.current_thread().name)
+        return compute(which, mask)
+
+    monkeypatch.setattr(engine.structured, "_compute_masks", record)
     outs = llm.generate(prompts, params, use_tqdm=False)
+    # a window launched ahead fills its masks beside the update of the one before
+    assert any(name.startswith("pagedllm-masks") for name in fillers)
+    assert engine.structured._filling is None
     for out in outs[:12]:
         assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
         jsonschema.validate(json.loads(out.outputs[0].text), PERSON)

@@ -874,7 +874,7 @@ def bench_structured(args: argparse.Namespace) -> Report:
         summary[f"batch {batch}: time difference per constrained token (us)"] = (
             (mixed.elapsed_s - base.elapsed_s * mixed.output_tokens / max(base.output_tokens, 1))
             * 1e6 / constrained_tokens)
-        summary[f"batch {batch}: host mask fill + matcher advance per constrained token (us)"] = (
+        summary[f"batch {batch}: engine thread's mask fill + matcher advance per constrained token (us)"] = (
             (structured.host_seconds - host_before) * 1e6 / (constrained_tokens * args.repeats))
         # json outputs cut at --max-tokens cannot parse: the finished ones are checked
         checked = [o.outputs[0] for o in outs[:k]

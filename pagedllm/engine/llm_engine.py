@@ -10,6 +10,7 @@ import itertools
 import logging
 import math
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -84,11 +85,13 @@ _heap_frozen = False
 
 
 def _freeze_heap() -> None:
-    """The objects alive when the engine gets busy (the block pools' blocks, the model's
-    modules, everything imported) kept out of the collector's passes until it is idle. A
-    full pass walks every tracked object: ~0.3 s for the 850k of a CPU engine, every few
-    thousand sequences' worth of steps otherwise. Left alone when the process froze its
-    own heap (get_freeze_count counts: asked only while ours is not frozen)."""
+    """The objects alive when an engine first steps (the block pools' blocks, the model's
+    modules, everything imported) kept out of the collector's passes. A full pass walks
+    every tracked object: ~0.3 s for the 850k of a CPU engine (0.2 s on a GPU host), every
+    few thousand sequences' worth of steps otherwise. They stay frozen while the engine is
+    idle too: unfrozen, the collector's count of old objects is left at the few it saw
+    while frozen, so the next full pass would come soon after. Left alone when the process
+    froze its own heap (get_freeze_count counts: asked only while ours is not frozen)."""
     global _heap_frozen
     if not _heap_frozen and not gc.get_freeze_count():
         gc.freeze()
@@ -96,9 +99,8 @@ def _freeze_heap() -> None:
 
 
 def _unfreeze_heap() -> None:
-    """Idle again: a dropped engine is collected as usual. (Unfreezing after every step
-    instead would leave the collector's count of old objects at the frozen heap's few, and
-    full passes over the whole heap would come often between steps.)"""
+    """An engine was shut down or dropped: its model (in a reference cycle) is collectable
+    again. A live engine freezes the heap anew at its next step."""
     global _heap_frozen
     if _heap_frozen:
         gc.unfreeze()
@@ -135,6 +137,7 @@ class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
         self.worker = create_worker(args)
+        weakref.finalize(self, _unfreeze_heap)
         self.model_config = self.worker.model_config
         self.tokenizer = self.worker.tokenizer
         self.model_name = args.served_model_name or self.worker.source_name
@@ -183,7 +186,8 @@ class LLMEngine:
         self.spec_counts = [0, 0, 0]  # draft tokens, accepted tokens, verified rows
         # Grammar matchers of requests with structured_outputs (engine/structured_output.py).
         self.structured = StructuredOutputManager(
-            self.tokenizer, self.worker.eos_token_ids, self.model_config.vocab_size)
+            self.tokenizer, self.worker.eos_token_ids, self.model_config.vocab_size,
+            pin_masks=on_cuda)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -268,8 +272,6 @@ class LLMEngine:
             group = self.requests.get(rid)
             if group is not None:
                 self._forget(group)
-        if not self.has_unfinished_requests():
-            _unfreeze_heap()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_seqs() or self._in_flight is not None
@@ -284,14 +286,7 @@ class LLMEngine:
         before this one's samples are read (Scheduler.schedule_continuation), so the host's
         update overlaps the device's next forward."""
         _freeze_heap()
-        try:
-            outputs = self._step()
-        except BaseException:
-            _unfreeze_heap()
-            raise
-        if not self.has_unfinished_requests():
-            _unfreeze_heap()
-        return outputs
+        return self._step()
 
     def _step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
@@ -321,18 +316,15 @@ class LLMEngine:
         ahead = self._in_flight
         if ahead is not None and ahead.batch.defer_token_bitmask:
             # The continuation's forward runs while this step's last samples advance the
-            # grammars; its first masks follow, before its sampling and this step's update.
+            # grammars; its first masks are filled in the background during this update.
             self.structured.advance(running.batch, result.sampled[-1])
-            self.structured.fill_bitmask(ahead.batch)
-            ahead.pending.sample_with_bitmask(ahead.batch.token_bitmask,
-                                              ahead.batch.token_bitmask_rows)
+            self.structured.start_fill(ahead.batch)
         between = None
         if ahead is not None and ahead.pending.awaits_bitmask:
             # The update takes longer than one forward: the window launched ahead samples its
-            # next steps between parts of it, as soon as their tokens are in.
+            # next steps between parts of it, as soon as their masks are in.
             def between() -> None:
-                if ahead.pending.awaits_bitmask and ahead.pending.last_samples_ready():
-                    self._sample_constrained_steps(ahead, 1)
+                self._sample_when_ready(ahead)
         outputs += self._update(running.out, result, between)
         if ahead is not None and not _has_running(ahead.out):
             # Every sequence of the step launched ahead finished in this one (on a token or a
@@ -344,16 +336,31 @@ class LLMEngine:
             self._forget(group)
         return outputs
 
-    def _sample_constrained_steps(self, running: _InFlight, limit: int | None = None) -> None:
-        """A decode window with constrained rows: each further step (up to `limit`) waits
-        for the samples of the one before (its forward is already running), advances the
-        grammars with them, and samples under the masks they give."""
+    def _sample_constrained_steps(self, running: _InFlight) -> None:
+        """A decode window with constrained rows: each further step waits for the samples
+        of the one before (its forward is already running), advances the grammars with
+        them, and samples under the masks they give (a fill already started first)."""
         pending, batch = running.pending, running.batch
-        while pending.awaits_bitmask and (limit is None or limit > 0):
-            limit = None if limit is None else limit - 1
+        if self.structured.filling(batch):
+            self.structured.finish_fill()
+            pending.sample_with_bitmask(batch.token_bitmask, batch.token_bitmask_rows)
+        while pending.awaits_bitmask:
             self.structured.advance(batch, pending.last_samples())
             self.structured.fill_bitmask(batch)
             pending.sample_with_bitmask(batch.token_bitmask, batch.token_bitmask_rows)
+
+    def _sample_when_ready(self, running: _InFlight) -> None:
+        """Without waiting: the window's next step samples once its masks are in, and the
+        masks of the one after start filling once its samples are."""
+        pending, batch, structured = running.pending, running.batch, self.structured
+        if structured.filling(batch):
+            if not structured.fill_ready():
+                return
+            structured.finish_fill()
+            pending.sample_with_bitmask(batch.token_bitmask, batch.token_bitmask_rows)
+        if pending.awaits_bitmask and pending.last_samples_ready():
+            structured.advance(batch, pending.last_samples())
+            structured.start_fill(batch)
 
     def _speculation_on(self) -> bool:
         limit = self.spec_batch_limit

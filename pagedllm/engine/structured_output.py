@@ -14,8 +14,10 @@ deep-copies its parent's matcher before either takes its own sample.
 Constrained sequences decode in multi-step windows too: each step of a window samples once
 the engine has advanced the grammars by the step before's samples (`advance`) and filled
 its masks, while the device already runs its forward (worker DecodeWindow). Under async
-scheduling the next window is launched ahead the same way. Tokens consumed ahead are
-recorded, and `accept` answers from that record when the engine appends them.
+scheduling the next window is launched ahead the same way, and its masks are filled on a
+background thread (`start_fill`) while the engine updates the window before. Tokens
+consumed ahead are recorded, and `accept` answers from that record when the engine appends
+them.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import logging
 import os
 import time
 from collections import OrderedDict, deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -70,17 +73,24 @@ def _usable_cpus() -> int:
 class StructuredOutputManager:
     """The matchers of the engine's constrained sequences, by seq_id."""
 
-    def __init__(self, tokenizer: Any, eos_token_ids: list[int], vocab_size: int) -> None:
+    def __init__(self, tokenizer: Any, eos_token_ids: list[int], vocab_size: int,
+                 pin_masks: bool = False) -> None:
         self._tokenizer = tokenizer
+        # Masks bound for a GPU are filled in pinned memory: their copy is queued as is.
+        self.pin_masks = pin_masks
         self._eos = list(eos_token_ids)
         self.vocab_size = vocab_size
         self._ll: Any = None
         self._executor: Any = None
+        # The mask fill in flight (start_fill): its batch, mask, rows and completion.
+        self._filling: tuple[Any, torch.Tensor | None, list[int], Future] | None = None
+        self._filler: ThreadPoolExecutor | None = None
         self.matchers: dict[int, Any] = {}
         self._fresh: OrderedDict[str, Any] = OrderedDict()  # grammar -> unused matcher
         # seq_id -> per token consumed ahead (`advance`), in order: did it end the grammar
         self._ahead: dict[int, deque[bool]] = {}
-        # Host seconds spent filling masks and advancing matchers (`bench structured`).
+        # Seconds the engine's thread spent filling masks (or waiting for a background
+        # fill) and advancing matchers (`bench structured`).
         self.host_seconds = 0.0
 
     @property
@@ -123,6 +133,7 @@ class StructuredOutputManager:
         return matcher
 
     def fork(self, parent_id: int, child_id: int) -> None:
+        self._settle()
         matcher = self.matchers.get(parent_id)
         if matcher is not None:
             self.matchers[child_id] = matcher.deep_copy()
@@ -138,6 +149,7 @@ class StructuredOutputManager:
         matcher = self.matchers.get(seq_id)
         if matcher is None:
             return False
+        self._settle()
         start = time.perf_counter()
         done = self._consume(seq_id, matcher, token_id)
         self.host_seconds += time.perf_counter() - start
@@ -147,6 +159,7 @@ class StructuredOutputManager:
         """Consume one step's samples (host [samples, 3 + 2k] packed, one sample per
         sampled row of `batch`) into the constrained rows' matchers, ahead of the engine's
         append; a finished or failed grammar takes no more tokens."""
+        self._settle()
         start = time.perf_counter()
         matchers = self.matchers
         tokens = samples[:, 0].tolist()
@@ -175,7 +188,60 @@ class StructuredOutputManager:
     def fill_bitmask(self, batch: "StepBatch") -> None:
         """Set `batch.token_bitmask` (one row per constrained sampled row) and
         `batch.token_bitmask_rows` (their indices among the batch's sampled rows)."""
+        self.start_fill(batch, background=False)
+        self.finish_fill()
+
+    def start_fill(self, batch: "StepBatch", background: bool = True) -> None:
+        """Begin filling `batch`'s masks; `finish_fill` sets them on the batch. In the
+        background they are computed on another thread (llguidance works without the GIL)
+        while the engine's thread goes on; every call here that touches a matcher waits for
+        them first. A fill still in flight from an abandoned step is dropped."""
+        self._settle()
+        self._filling = None
         start = time.perf_counter()
+        rows, which = self._constrained_rows(batch)
+        mask = None
+        if rows:
+            mask = torch.empty(len(rows), self.words, dtype=torch.int32,
+                               pin_memory=self.pin_masks)
+        if rows and background:
+            if self._filler is None:
+                self._filler = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-masks")
+            done = self._filler.submit(self._compute_masks, which, mask)
+        else:
+            if rows:
+                self._compute_masks(which, mask)
+            done = Future()
+            done.set_result(None)
+        self._filling = (batch, mask, rows, done)
+        self.host_seconds += time.perf_counter() - start
+
+    def filling(self, batch: "StepBatch") -> bool:
+        """`batch`'s masks are started and not yet set (finish_fill)."""
+        return self._filling is not None and self._filling[0] is batch
+
+    def fill_ready(self) -> bool:
+        """finish_fill would not wait."""
+        return self._filling is None or self._filling[3].done()
+
+    def finish_fill(self) -> None:
+        """Wait for the masks started last and set them on their batch."""
+        if self._filling is None:
+            return
+        start = time.perf_counter()
+        batch, mask, rows, done = self._filling
+        self._filling = None
+        done.result()
+        batch.token_bitmask, batch.token_bitmask_rows = mask, rows
+        self.host_seconds += time.perf_counter() - start
+
+    def _settle(self) -> None:
+        """The matchers are free again (a fill in flight holds them)."""
+        if self._filling is not None:
+            self._filling[3].result()
+
+    def _constrained_rows(self, batch: "StepBatch") -> tuple[list[int], list[Any]]:
+        """The constrained rows' indices among the batch's sampled rows, and their matchers."""
         matchers = self.matchers
         rows: list[int] = []
         which: list[Any] = []
@@ -189,23 +255,17 @@ class StructuredOutputManager:
                 rows.append(sampled)
                 which.append(matcher)
             sampled += 1
-        if not rows:
-            batch.token_bitmask, batch.token_bitmask_rows = None, []
-            self.host_seconds += time.perf_counter() - start
-            return
-        mask = torch.empty(len(rows), self.words, dtype=torch.int32)
+        return rows, which
+
+    def _compute_masks(self, which: list[Any], mask: torch.Tensor) -> None:
         if len(which) == 1:
             which[0].unsafe_compute_mask_ptr(mask.data_ptr(), mask.shape[1] * 4)
-        else:
-            if self._executor is None:
-                import llguidance
+            return
+        if self._executor is None:
+            import llguidance
 
-                # The engine's thread waits on the masks: every core this process may run on
-                # can fill them (up to 32, llguidance's own cap).
-                self._executor = llguidance.LLExecutor(min(32, _usable_cpus()))
-            self._executor.unsafe_compute_mask_ptr(
-                [(m, i) for i, m in enumerate(which)], mask.data_ptr(), mask.shape[1] * 4,
-                len(which))
-        batch.token_bitmask = mask
-        batch.token_bitmask_rows = rows
-        self.host_seconds += time.perf_counter() - start
+            # Every core this process may run on fills masks (up to 32, llguidance's cap).
+            self._executor = llguidance.LLExecutor(min(32, _usable_cpus()))
+        self._executor.unsafe_compute_mask_ptr(
+            [(m, i) for i, m in enumerate(which)], mask.data_ptr(), mask.shape[1] * 4,
+            len(which))

@@ -44,7 +44,8 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[
 
         # From pinned memory the copy is queued without waiting (a pageable one may wait for
         # the forward queued before it).
-        apply_token_bitmask_(logits, bitmask.pin_memory().to(device, non_blocking=True),
+        pinned = bitmask if bitmask.is_pinned() else bitmask.pin_memory()
+        apply_token_bitmask_(logits, pinned.to(device, non_blocking=True),
                              host_to_device(rows, torch.long, device))
         return
     refused = refused_tokens(bitmask, device)
