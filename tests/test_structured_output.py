@@ -386,8 +386,9 @@ def test_closing_object_schemas_only_narrows_them():
 
 
 def test_sequences_of_one_grammar_get_their_own_matchers(llm, monkeypatch):
-    """A grammar is compiled once and copied per sequence: advancing one sequence's
-    matcher leaves the other's where it was; the compiled ones kept are bounded."""
+    """A grammar is compiled once per mask-filling thread (copies of one compiled matcher
+    take turns on its lexer) and copied per sequence: advancing one sequence's matcher
+    leaves the other's where it was; the compiled ones kept are bounded."""
     from pagedllm.engine import structured_output
     from pagedllm.engine.sequence import Sequence, SequenceGroup
 
@@ -395,6 +396,7 @@ def test_sequences_of_one_grammar_get_their_own_matchers(llm, monkeypatch):
     monkeypatch.setattr(structured_output, "MAX_CACHED_GRAMMARS", 2)
     monkeypatch.setattr(manager, "_fresh", type(manager._fresh)())
     monkeypatch.setattr(manager, "matchers", {})
+    monkeypatch.setattr(manager, "mask_threads", 2)
 
     def group(choice):
         params = SamplingParams(structured_outputs=StructuredOutputsParams(choice=choice))
@@ -402,7 +404,10 @@ def test_sequences_of_one_grammar_get_their_own_matchers(llm, monkeypatch):
 
     manager.start(100, group(["yes", "no"]))
     manager.start(101, group(["yes", "no"]))
+    manager.start(104, group(["yes", "no"]))
     assert len(manager._fresh) == 1
+    (fresh,) = manager._fresh.values()
+    assert len(fresh.matchers) == 2 and fresh.handed == 3  # one per thread, in turn
     tok = llm.get_tokenizer()
     first = tok.encode("yes", add_special_tokens=False)
     for t in first:
@@ -413,4 +418,4 @@ def test_sequences_of_one_grammar_get_their_own_matchers(llm, monkeypatch):
     manager.start(102, group(["a", "b"]))
     manager.start(103, group(["c", "d"]))
     assert len(manager._fresh) == 2
-    manager.free([100, 101, 102, 103])
+    manager.free([100, 101, 102, 103, 104])

@@ -25,6 +25,7 @@ import logging
 import os
 import time
 from collections import OrderedDict, deque
+from dataclasses import dataclass
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +44,16 @@ _LL_TOKENIZERS: dict[tuple[int, tuple[int, ...]], tuple[Any, Any]] = {}
 # Fresh matchers kept per grammar: building one costs ~1.6 ms (validated, then compiled), a
 # copy of a fresh one ~3 us, and a batch of requests usually shares a few schemas.
 MAX_CACHED_GRAMMARS = 64
+
+
+@dataclass
+class _Fresh:
+    """A grammar's unused matchers, handed out in turn. Copies of one matcher share its
+    lexer behind one lock (llguidance's `deep_copy` keeps the parser's shared state), so
+    their masks are computed one at a time: up to one per mask-filling thread is built."""
+
+    matchers: list[Any]
+    handed: int = 0
 
 
 def ll_tokenizer(tokenizer: Any, eos_token_ids: list[int]) -> Any:
@@ -82,11 +93,13 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self._ll: Any = None
         self._executor: Any = None
+        # Every core this process may run on fills masks (up to 32, llguidance's cap).
+        self.mask_threads = min(32, _usable_cpus())
         # The mask fill in flight (start_fill): its batch, mask, rows and completion.
         self._filling: tuple[Any, torch.Tensor | None, list[int], Future] | None = None
         self._filler: ThreadPoolExecutor | None = None
         self.matchers: dict[int, Any] = {}
-        self._fresh: OrderedDict[str, Any] = OrderedDict()  # grammar -> unused matcher
+        self._fresh: OrderedDict[str, _Fresh] = OrderedDict()  # grammar -> unused matchers
         # seq_id -> per token consumed ahead (`advance`), in order: did it end the grammar
         self._ahead: dict[int, deque[bool]] = {}
         # Seconds the engine's thread spent filling masks (or waiting for a background
@@ -114,17 +127,21 @@ class StructuredOutputManager:
         grammar = group.sampling_params.structured_outputs.compiled
         fresh = self._fresh.get(grammar)
         if fresh is None:
-            fresh = self._fresh[grammar] = self._compile(grammar)
+            fresh = self._fresh[grammar] = _Fresh([self._compile(grammar)])
             if len(self._fresh) > MAX_CACHED_GRAMMARS:
                 self._fresh.popitem(last=False)
         else:
             self._fresh.move_to_end(grammar)
-        self.matchers[seq_id] = fresh.deep_copy()
+        turn = fresh.handed % self.mask_threads
+        fresh.handed += 1
+        if turn == len(fresh.matchers):  # validated with the first one
+            fresh.matchers.append(self._compile(grammar, validate=False))
+        self.matchers[seq_id] = fresh.matchers[turn].deep_copy()
 
-    def _compile(self, grammar: str) -> Any:
+    def _compile(self, grammar: str, validate: bool = True) -> Any:
         import llguidance
 
-        error = llguidance.LLMatcher.validate_grammar(grammar, self.ll)
+        error = validate and llguidance.LLMatcher.validate_grammar(grammar, self.ll)
         if error:
             raise ValueError(f"structured output: {error.strip()}")
         matcher = llguidance.LLMatcher(self.ll, grammar, log_level=0)
@@ -264,8 +281,7 @@ class StructuredOutputManager:
         if self._executor is None:
             import llguidance
 
-            # Every core this process may run on fills masks (up to 32, llguidance's cap).
-            self._executor = llguidance.LLExecutor(min(32, _usable_cpus()))
+            self._executor = llguidance.LLExecutor(self.mask_threads)
         self._executor.unsafe_compute_mask_ptr(
             [(m, i) for i, m in enumerate(which)], mask.data_ptr(), mask.shape[1] * 4,
             len(which))
