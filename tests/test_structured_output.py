@@ -419,3 +419,34 @@ def test_sequences_of_one_grammar_get_their_own_matchers(llm, monkeypatch):
     manager.start(103, group(["c", "d"]))
     assert len(manager._fresh) == 2
     manager.free([100, 101, 102, 103, 104])
+
+
+def test_a_failed_background_fill_raises_in_its_step_only(llm, monkeypatch):
+    """A mask fill that fails on the background thread raises where its step takes the
+    masks (finish_fill), not in the calls that only wait for the matchers to be free; the
+    next fill works."""
+    from types import SimpleNamespace
+
+    from pagedllm.engine.sequence import Sequence, SequenceGroup
+
+    manager = llm.engine.structured
+    monkeypatch.setattr(manager, "matchers", {})
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    manager.start(7, SequenceGroup("g", [Sequence(7, [1], 16)], params))
+    batch = SimpleNamespace(seq_ids=[7], do_sample=[True], token_bitmask=None,
+                            token_bitmask_rows=[])
+    compute = manager._compute_masks
+
+    def broken(which, mask):
+        raise RuntimeError("lexer gone")
+
+    monkeypatch.setattr(manager, "_compute_masks", broken)
+    manager.start_fill(batch)
+    manager.fork(7, 8)  # waits for the fill, raises nothing
+    with pytest.raises(RuntimeError, match="lexer gone"):
+        manager.finish_fill()
+    monkeypatch.setattr(manager, "_compute_masks", compute)
+    manager.start_fill(batch)
+    manager.finish_fill()
+    assert batch.token_bitmask_rows == [0] and batch.token_bitmask.shape == (1, manager.words)
+    manager.free([7, 8])

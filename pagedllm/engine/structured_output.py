@@ -25,8 +25,8 @@ import logging
 import os
 import time
 from collections import OrderedDict, deque
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -253,9 +253,10 @@ class StructuredOutputManager:
         self.host_seconds += time.perf_counter() - start
 
     def _settle(self) -> None:
-        """The matchers are free again (a fill in flight holds them)."""
+        """The matchers are free again (a fill in flight holds them). A failed fill raises
+        in finish_fill, to the step that owns it."""
         if self._filling is not None:
-            self._filling[3].result()
+            wait([self._filling[3]])
 
     def _constrained_rows(self, batch: "StepBatch") -> tuple[list[int], list[Any]]:
         """The constrained rows' indices among the batch's sampled rows, and their matchers."""
