@@ -418,7 +418,14 @@ def test_sequences_of_one_grammar_get_their_own_matchers(llm, monkeypatch):
     manager.start(102, group(["a", "b"]))
     manager.start(103, group(["c", "d"]))
     assert len(manager._fresh) == 2
-    manager.free([100, 101, 102, 103, 104])
+    monkeypatch.setattr(structured_output, "MAX_CACHED_GRAMMARS", 10)
+    monkeypatch.setattr(structured_output, "MAX_CACHED_MATCHERS", 3)
+    manager.start(105, group(["c", "d"]))  # ["c", "d"]'s second fresh matcher: 3 kept
+    manager.start(106, group(["e", "f"]))  # 4 kept: ["a", "b"], the least recent, goes
+    assert [len(f.matchers) for f in manager._fresh.values()] == [2, 1]
+    manager.start(107, group(["e", "f"]))  # 4 kept again: ["c", "d"] goes
+    assert [len(f.matchers) for f in manager._fresh.values()] == [2]
+    manager.free([100, 101, 102, 103, 104, 105, 106, 107])
 
 
 def test_a_failed_background_fill_raises_in_its_step_only(llm, monkeypatch):

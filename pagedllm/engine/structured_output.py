@@ -42,8 +42,11 @@ logger = logging.getLogger(__name__)
 # Keyed by id(tokenizer); the entry keeps the tokenizer alive so the id stays its own.
 _LL_TOKENIZERS: dict[tuple[int, tuple[int, ...]], tuple[Any, Any]] = {}
 # Fresh matchers kept per grammar: building one costs ~1.6 ms (validated, then compiled), a
-# copy of a fresh one ~3 us, and a batch of requests usually shares a few schemas.
+# copy of a fresh one ~3 us, and a batch of requests usually shares a few schemas. Each
+# fresh matcher keeps its own lexer (its DFA grows as masks are computed): the total kept
+# is bounded too, the least recently used grammars going first.
 MAX_CACHED_GRAMMARS = 64
+MAX_CACHED_MATCHERS = 256
 
 
 @dataclass
@@ -128,8 +131,6 @@ class StructuredOutputManager:
         fresh = self._fresh.get(grammar)
         if fresh is None:
             fresh = self._fresh[grammar] = _Fresh([self._compile(grammar)])
-            if len(self._fresh) > MAX_CACHED_GRAMMARS:
-                self._fresh.popitem(last=False)
         else:
             self._fresh.move_to_end(grammar)
         turn = fresh.handed % self.mask_threads
@@ -137,6 +138,10 @@ class StructuredOutputManager:
         if turn == len(fresh.matchers):  # validated with the first one
             fresh.matchers.append(self._compile(grammar, validate=False))
         self.matchers[seq_id] = fresh.matchers[turn].deep_copy()
+        kept = sum(len(f.matchers) for f in self._fresh.values())
+        while len(self._fresh) > 1 and (len(self._fresh) > MAX_CACHED_GRAMMARS or
+                                        kept > MAX_CACHED_MATCHERS):
+            kept -= len(self._fresh.popitem(last=False)[1].matchers)
 
     def _compile(self, grammar: str, validate: bool = True) -> Any:
         import llguidance
