@@ -340,14 +340,13 @@ class LLMEngine:
         """A decode window with constrained rows: each further step waits for the samples
         of the one before (its forward is already running), advances the grammars with
         them, and samples under the masks they give (a fill already started first)."""
-        pending, batch = running.pending, running.batch
-        if self.structured.filling(batch):
-            self.structured.finish_fill()
-            pending.sample_with_bitmask(batch.token_bitmask, batch.token_bitmask_rows)
+        pending, batch, structured = running.pending, running.batch, self.structured
+        if structured.filling(batch):
+            self._sample_filled(running)
         while pending.awaits_bitmask:
-            self.structured.advance(batch, pending.last_samples())
-            self.structured.fill_bitmask(batch)
-            pending.sample_with_bitmask(batch.token_bitmask, batch.token_bitmask_rows)
+            structured.advance(batch, pending.last_samples())
+            structured.start_fill(batch, background=False)
+            self._sample_filled(running)
 
     def _sample_when_ready(self, running: _InFlight) -> None:
         """Without waiting: the window's next step samples once its masks are in, and the
@@ -356,11 +355,16 @@ class LLMEngine:
         if structured.filling(batch):
             if not structured.fill_ready():
                 return
-            structured.finish_fill()
-            pending.sample_with_bitmask(batch.token_bitmask, batch.token_bitmask_rows)
+            self._sample_filled(running)
         if pending.awaits_bitmask and pending.last_samples_ready():
             structured.advance(batch, pending.last_samples())
             structured.start_fill(batch)
+
+    def _sample_filled(self, running: _InFlight) -> None:
+        """The window's next step samples under the masks started last."""
+        self.structured.finish_fill()
+        batch = running.batch
+        running.pending.sample_with_bitmask(batch.token_bitmask, batch.token_bitmask_rows)
 
     def _speculation_on(self) -> bool:
         limit = self.spec_batch_limit
