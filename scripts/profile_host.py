@@ -94,6 +94,19 @@ def install(llm: LLM, mask_threads: int | None = None) -> None:
     wrap(mr.FlatBatch, "next_decode_step", "model: next_decode_step")
     wrap(mr._HostCopy, "__init__", "model: samples copy queued")
     wrap(mr._HostCopy, "get", "wait: samples to the host")
+    # Finer rows inside `model: forward` and `model: sampler.sample` (module functions are
+    # looked up by name at each call, so wrapping them in their module times every call).
+    from pagedllm.layers import sampler as sm
+    from pagedllm.worker import cuda_graphs as cg
+
+    wrap(cg, "pad_decode_batch", "graphs: pad_decode_batch")
+    wrap(cg.DecodeBatch, "pinned", "graphs: pin inputs")
+    wrap(cg.StaticMetadata, "load", "graphs: copy inputs")
+    wrap(cg.DecodeCUDAGraphs, "_replay", "graphs: replay")
+    wrap(type(engine.worker.model), "forward", "model: eager forward")
+    wrap(type(engine.worker.runner.sampler), "process_logits", "sampler: process_logits")
+    for name in ("_sample_with_triton", "_pack_logprobs", "_sample_rows"):
+        wrap(sm, name, f"sampler: {name}")
 
 
 class _TimedExecutor:

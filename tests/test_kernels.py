@@ -594,6 +594,38 @@ def test_sampler_triton_path_rows():
     torch.testing.assert_close(lse_fallback, lse)
 
 
+def test_sampler_min_tokens_in_place_matches_the_copying_path():
+    """Sampler.sample on the device (on CUDA its Triton path): rows under min_tokens alone
+    (refused in place, the logsumexp corrected after) give the same tokens, logprobs, ranks
+    and top logprobs as the same rows with a zero logit_bias (the path that copies the
+    logits), and leave the logits as they were."""
+    from pagedllm.layers.sampler import Sampler, SamplingRow, make_generator
+    from pagedllm.sampling_params import SamplingParams
+
+    g = torch.Generator().manual_seed(7)
+    logits = (torch.randn(4, 3000, generator=g) * 3).to(DEVICE)
+    logits[:, 0] += 20.0  # EOS (0) the most likely in every row
+
+    def rows(bias=None):
+        params = [SamplingParams(temperature=0.0, min_tokens=2, logprobs=3, logit_bias=bias),
+                  SamplingParams(temperature=0.9, seed=5, min_tokens=2, stop_token_ids=[9],
+                                 logprobs=2),
+                  SamplingParams(temperature=0.0, logprobs=1),
+                  SamplingParams(temperature=1.1, seed=6, min_tokens=1)]
+        return [SamplingRow(p, [1], [], generator=make_generator(p.seed, DEVICE) if p.seed else None)
+                for p in params]
+
+    before = logits.clone()
+    in_place = Sampler([0]).sample(logits, rows()).packed.cpu()
+    assert torch.equal(logits, before)
+    copied = Sampler([0]).sample(logits, rows({2999: 0.0})).packed.cpu()
+    assert torch.equal(in_place[:, 0], copied[:, 0])  # tokens
+    assert in_place[0, 0] != 0 and in_place[2, 0] == 0
+    torch.testing.assert_close(in_place[:, 1], copied[:, 1])  # logprobs of the raw logits
+    assert torch.equal(in_place[:, 2:6], copied[:, 2:6])  # ranks, top ids
+    torch.testing.assert_close(in_place[:, 6:], copied[:, 6:])  # top logprobs
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_of_heads_inside_a_fused_projection(dtype):
     """Qwen3's per-head q/k norms read the heads in place in the fused qkv output (a strided

@@ -193,6 +193,77 @@ def test_min_tokens_blocks_eos_and_stop_tokens():
     assert {r.token_id for r in out[0]}.isdisjoint({EOS, 2})
 
 
+def test_min_tokens_alone_refuses_in_place_and_reports_raw_logprobs():
+    """min_tokens without penalties or logit_bias refuses its tokens in the logits
+    themselves: afterwards the logits are as they were, the tokens avoid the refused ids,
+    and logprob, rank and top logprobs are those of the raw logits (EOS included)."""
+    torch.manual_seed(3)
+    logits = torch.randn(4, 40) * 2
+    logits[:, EOS] += 12.0  # EOS the most likely everywhere, then 7
+    logits[:, 7] += 8.0
+    rows = [row(temperature=0, min_tokens=3, stop_token_ids=[7, 7], logprobs=3),
+            row(temperature=0, output=[5, 5, 5], min_tokens=3, logprobs=2),  # no longer pending
+            row(temperature=0.8, seed=3, min_tokens=2, stop_token_ids=[EOS, 7], logprobs=1),
+            row(temperature=0, min_tokens=2, ignore_eos=True, stop_token_ids=[7], logprobs=2)]
+    before = logits.clone()
+    out = Sampler([EOS])(logits, rows)
+    assert torch.equal(logits, before)
+    raw = torch.log_softmax(before, dim=-1)
+    tokens = [r[0].token_id for r in out]
+    refused = before.clone()
+    refused[0, [EOS, 7]] = float("-inf")
+    refused[3, 7] = float("-inf")
+    assert tokens[0] == int(refused[0].argmax()) and tokens[3] == int(refused[3].argmax())
+    assert tokens[1] == int(before[1].argmax()) and tokens[2] not in (EOS, 7)
+    for i, (result,) in enumerate(out):
+        assert result.logprob == pytest.approx(float(raw[i, result.token_id]), abs=1e-5)
+        assert result.rank == 1 + int((raw[i] > raw[i, result.token_id]).sum())
+        top = raw[i].topk(rows[i].params.logprobs)
+        assert list(result.top_logprobs) == top.indices.tolist()
+        assert list(result.top_logprobs.values()) == pytest.approx(top.values.tolist(), abs=1e-5)
+
+
+def test_min_tokens_in_place_matches_the_copying_path():
+    """The same rows with a zero logit_bias added (the path that copies the logits): the
+    same tokens and logprobs; and a row whose every token is refused still reports its raw
+    logprobs."""
+    torch.manual_seed(4)
+    logits = torch.randn(3, 30)
+    logits[:, EOS] += 5.0
+
+    def rows(bias=None):
+        return [row(temperature=0, min_tokens=2, logprobs=2, logit_bias=bias),
+                row(temperature=1.0, seed=9, min_tokens=2, stop_token_ids=[4], logprobs=1),
+                row(temperature=0, logprobs=1)]
+
+    in_place = Sampler([EOS])(logits, rows())
+    copied = Sampler([EOS])(logits, rows({29: 0.0}))
+    assert [r[0].token_id for r in in_place] == [r[0].token_id for r in copied]
+    assert [r[0].logprob for r in in_place] == pytest.approx([r[0].logprob for r in copied], abs=1e-5)
+    small = torch.tensor([[1.0, 2.0, 3.0]])
+    (result,), = Sampler([EOS])(small, [row(temperature=0, min_tokens=1, stop_token_ids=[1, 2])])
+    assert result.logprob == pytest.approx(float(torch.log_softmax(small, -1)[0, result.token_id]))
+    assert torch.equal(small, torch.tensor([[1.0, 2.0, 3.0]]))
+
+
+def test_refused_entries_restore_the_raw_logsumexp():
+    """_Refused.restore: the raw values back in place, and a logsumexp taken while they were
+    -inf turned into the raw one, also for a row refused entirely (-inf while refused)."""
+    from pagedllm.layers.sampler import _Refused
+
+    torch.manual_seed(6)
+    logits = torch.randn(3, 20) * 4
+    rows = [0, 0, 1] + [2] * 20
+    cols = [3, 11, 19] + list(range(20))
+    index = (torch.tensor(rows), torch.tensor(cols))
+    masked = logits.clone()
+    refused = _Refused(index, masked[index])
+    masked[index] = float("-inf")
+    lse = refused.restore(masked, masked.logsumexp(-1, keepdim=True))
+    assert torch.equal(masked, logits)
+    torch.testing.assert_close(lse, logits.logsumexp(-1, keepdim=True))
+
+
 def test_logit_bias_forces_a_token():
     torch.manual_seed(4)
     logits = torch.randn(2, 100)

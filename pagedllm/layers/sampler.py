@@ -101,13 +101,23 @@ class Sampler:
             empty = torch.empty(0, 3, dtype=torch.float64)
             return SampledBatch(torch.empty(0, dtype=torch.long), empty, rows, num_top)
         logits = logits.float()
-        x = self.process_logits(logits, rows, steps_ahead)
+        refused = None
+        if _only_min_tokens(rows, steps_ahead):
+            # min_tokens alone refuses a few tokens per row: they are set to -inf in the
+            # logits themselves for the draw and put back before the logprobs read them
+            # (no copy of the whole [rows, vocab] logits).
+            refused = self._refuse_stop_tokens(logits, rows, steps_ahead)
+            x = logits
+        else:
+            x = self.process_logits(logits, rows, steps_ahead)
         sample_rows = _sample_rows(rows, x.device)
         token_ids = lse = None
         if logits.is_cuda:
             token_ids, lse = _sample_with_triton(logits, x, rows)
         if token_ids is None:
             token_ids = _choose_tokens(x, rows, sample_rows)
+        if refused is not None:
+            lse = refused.restore(logits, lse)
         with_rank = any(r.params.logprobs is not None for r in rows)
         packed = _pack_logprobs(logits, sample_rows, token_ids, max(num_top), with_rank, lse)
         return SampledBatch(token_ids, packed, rows, num_top)
@@ -145,6 +155,25 @@ class Sampler:
     def _apply_min_tokens(self, x: torch.Tensor, rows: list[SamplingRow],
                           steps_ahead: int = 0) -> None:
         """Until min_tokens are out, no token may end the sequence."""
+        index = self._stop_token_index(x, rows, steps_ahead)
+        if index is not None:
+            # A device -inf: a host scalar would be copied to the device synchronously.
+            x.index_put_(index, _neg_inf(x.device))
+
+    def _refuse_stop_tokens(self, logits: torch.Tensor, rows: list[SamplingRow],
+                            steps_ahead: int) -> "_Refused | None":
+        """_apply_min_tokens on the logits themselves, keeping what it overwrites."""
+        index = self._stop_token_index(logits, rows, steps_ahead)
+        if index is None:
+            return None
+        refused = _Refused(index, logits[index])
+        logits.index_put_(index, _neg_inf(logits.device))
+        return refused
+
+    def _stop_token_index(self, x: torch.Tensor, rows: list[SamplingRow], steps_ahead: int
+                          ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows, token ids) of the tokens that would end a sequence before its min_tokens,
+        each pair once; None when there are none."""
         vocab = x.shape[1]
         eos = self.eos_token_ids
         row_idx, token_idx = [], []
@@ -153,19 +182,49 @@ class Sampler:
             if row.output_len + steps_ahead >= p.min_tokens:
                 continue
             # With ignore_eos, EOS does not stop the sequence, so it needs no mask.
-            stops = [t for t in (p.stop_token_ids or []) if t < vocab]
+            stops = {t for t in (p.stop_token_ids or []) if t < vocab}
             if not p.ignore_eos:
-                stops += [t for t in eos if t < vocab]
+                stops.update(t for t in eos if t < vocab)
             row_idx += [i] * len(stops)
-            token_idx += stops
-        if row_idx:
-            # A device -inf: a host scalar would be copied to the device synchronously.
-            x.index_put_(_index_tensors(row_idx, token_idx, x.device), _neg_inf(x.device))
+            token_idx += sorted(stops)
+        return _index_tensors(row_idx, token_idx, x.device) if row_idx else None
+
+
+@dataclass
+class _Refused:
+    """Entries of the logits set to -inf in place for one draw, and their raw values."""
+
+    index: tuple[torch.Tensor, torch.Tensor]  # (rows, token ids), each pair once
+    raw: torch.Tensor
+
+    def restore(self, logits: torch.Tensor, lse: torch.Tensor | None) -> torch.Tensor | None:
+        """Put the raw values back; `lse` ([rows, 1], of the logits while refused; None:
+        not computed yet) becomes the raw logits' logsumexp, each row's refused values
+        added to it (relative to the larger of the two, so a row refused entirely stays
+        finite where its raw values are)."""
+        logits.index_put_(self.index, self.raw)
+        if lse is None:
+            return None
+        rows = self.index[0]
+        ref = lse.view(-1).scatter_reduce(0, rows, self.raw, "amax").nan_to_num_(neginf=0.0)
+        total = torch.exp(lse.view(-1) - ref).index_add_(0, rows, torch.exp(self.raw - ref[rows]))
+        return (ref + torch.log(total)).view_as(lse)
 
 
 def _modifies_logits(row: SamplingRow, steps_ahead: int = 0) -> bool:
     p = row.params
     return bool(p.logit_bias) or row.output_len + steps_ahead < p.min_tokens or p.has_penalties
+
+
+def _only_min_tokens(rows: list[SamplingRow], steps_ahead: int) -> bool:
+    """Some row's min_tokens is pending and no row has a logit_bias or penalties."""
+    pending = False
+    for row in rows:
+        p = row.params
+        if p.logit_bias or p.has_penalties:
+            return False
+        pending = pending or row.output_len + steps_ahead < p.min_tokens
+    return pending
 
 
 _NEG_INF: dict[torch.device, torch.Tensor] = {}
