@@ -45,6 +45,9 @@
 #   host-profile   scripts/profile_host.py at that shape with a JSON schema (not in the
 #                  default list): the host's time per phase and its waits on the device,
 #                  unconstrained and half constrained
+#   host-gaps      the same with the free-text regex and --device-gaps (not in the default
+#                  list): the device time that passes inside each host phase (CUDA events,
+#                  no profiler), i.e. the device's idle time where the phase queues no work
 #
 # Environment: OUT (log folder, default ./gpu-check-logs), PYTHON (default python3),
 # GPU_CHECK_STEPS (comma list, default all of the above), GPU_CHECK_PEERS (nano | all | 0:
@@ -142,6 +145,10 @@ run_step host-profile 420 "$LOGS/host_profile.log" $PY scripts/profile_host.py \
     --model qwen3-0.6b --load-format dummy --dtype bfloat16 --device cuda \
     --tokenizer "$REPO/.whl/smollm2-tokenizer" --batch 256 --min-input-len 100 \
     --max-input-len 1024 --max-tokens 256 --temperature 0.6 --constraint json
+run_step host-gaps 420 "$LOGS/host_gaps.log" $PY scripts/profile_host.py \
+    --model qwen3-0.6b --load-format dummy --dtype bfloat16 --device cuda \
+    --tokenizer "$REPO/.whl/smollm2-tokenizer" --batch 256 --min-input-len 100 \
+    --max-input-len 1024 --max-tokens 256 --temperature 0.6 --constraint text --device-gaps
 [ -f "$WORK/structured-nano.json" ] && { echo "-- structured-nano.json"; cat "$WORK/structured-nano.json"; } >>"$LOGS/bench.log"
 # FP8 weights: kernel checks + agreement, then the two 8B workloads beside the bf16 runs above.
 run_step fp8 420 "$LOGS/fp8.log" $PY scripts/gpu_fp8_check.py --out "$LOGS/fp8.json"

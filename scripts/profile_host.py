@@ -4,7 +4,9 @@ Runs one unconstrained batch and one with half of it under a JSON schema (or the
 regex), after a warm-up each, and times the engine's host phases with wrappers (exclusive
 wall time: a wrapped call inside another counts for itself only). On CUDA the model calls
 only queue kernels, so their rows are launch cost and the `wait` rows are the host idling
-on the device; on the CPU the model rows are the compute itself.
+on the device; on the CPU the model rows are the compute itself. With --device-gaps (CUDA)
+each row is instead the device time that passed inside the phase: where the phase queues
+no work, the time the device sat idle waiting for the host there (no profiler's overhead).
 
   python scripts/profile_host.py --model qwen3-0.6b --load-format dummy --dtype bfloat16 \
       --device cuda --tokenizer .whl/smollm2-tokenizer --batch 256 --max-tokens 256
@@ -33,6 +35,11 @@ from pagedllm.sampling_params import StructuredOutputsParams
 TOTALS: dict[str, float] = collections.defaultdict(float)
 CALLS: collections.Counter = collections.Counter()
 _stack: list[float] = []
+# --device-gaps: per wrapped call on the engine's thread, CUDA events at its entry and exit
+# and the index of the call it runs inside: (label, entry, exit, parent).
+EVENTS: list[tuple[str, object, object, int]] = []
+_open: list[int] = []
+_device_gaps = False
 
 
 def wrap(owner, name: str, label: str) -> None:
@@ -55,6 +62,8 @@ def wrap_call(label: str, fn, *args, **kwargs):
         finally:
             TOTALS[f"other thread: {label}"] += time.perf_counter() - start
             CALLS[f"other thread: {label}"] += 1
+    if _device_gaps:
+        return _call_between_events(label, fn, *args, **kwargs)
     start = time.perf_counter()
     _stack.append(0.0)
     try:
@@ -66,6 +75,50 @@ def wrap_call(label: str, fn, *args, **kwargs):
         CALLS[label] += 1
         if _stack:
             _stack[-1] += elapsed
+
+
+def _call_between_events(label: str, fn, *args, **kwargs):
+    """fn(*args, **kwargs) between two CUDA events on the current stream. Where fn queues
+    no device work, the device time between them is the device's idle time during the call:
+    a busy device passes both events back to back."""
+    import torch
+
+    entry = torch.cuda.Event(enable_timing=True)
+    entry.record()
+    index = len(EVENTS)
+    EVENTS.append((label, entry, None, _open[-1] if _open else -1))
+    _open.append(index)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _open.pop()
+        exit_ = torch.cuda.Event(enable_timing=True)
+        exit_.record()
+        EVENTS[index] = (label, entry, exit_, EVENTS[index][3])
+
+
+def report_device_gaps(name: str, wall: float) -> None:
+    """Device time that passed inside each wrapped call, exclusive of the calls inside it.
+    For calls that queue no device work (advance, fill, update, scheduling) it is the time
+    the device sat idle while the host was there; for the ones that queue work (forward,
+    sampler, mask) it also holds that work's device time."""
+    import torch
+
+    torch.cuda.synchronize()
+    spans = [entry.elapsed_time(exit_) / 1e3 for _, entry, exit_, _ in EVENTS]
+    exclusive = list(spans)
+    for i, (_, _, _, parent) in enumerate(EVENTS):
+        if parent >= 0:
+            exclusive[parent] -= spans[i]
+    totals: dict[str, float] = collections.defaultdict(float)
+    for (label, _, _, _), seconds in zip(EVENTS, exclusive):
+        totals[label] += seconds
+    first, last = EVENTS[0][1], EVENTS[-1][2]
+    print(f"{name}: device time passed inside wrapped calls (wall {wall:.2f} s, device "
+          f"{first.elapsed_time(last) / 1e3:.2f} s from the first call to the last)")
+    for label, seconds in sorted(totals.items(), key=lambda kv: -kv[1])[:24]:
+        print(f"  {label:32s} {seconds * 1e3:9.1f} ms")
+    EVENTS.clear()
 
 
 def install(llm: LLM, mask_threads: int | None = None) -> None:
@@ -197,6 +250,9 @@ def main() -> None:
                    help="llguidance's mask-filling threads (default: the engine's)")
     p.add_argument("--show-syncs", action="store_true",
                    help="CUDA: print where the host waits on the device unasked")
+    p.add_argument("--device-gaps", action="store_true",
+                   help="CUDA: instead of host times, the device time that passes inside each "
+                        "wrapped call (two CUDA events per call; no profiler)")
     args = p.parse_args()
     kwargs = dict(load_format=args.load_format, dtype=args.dtype, enable_prefix_caching=False,
                   max_num_seqs=args.batch)
@@ -205,6 +261,8 @@ def main() -> None:
         if getattr(args, key) is not None:
             kwargs[key] = getattr(args, key)
     llm = LLM(**kwargs)
+    if args.device_gaps and not next(llm.engine.worker.model.parameters()).is_cuda:
+        p.error("--device-gaps needs a CUDA device")
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 30000) for _ in range(rng.randint(args.min_input_len,
                                                                       args.max_input_len))]
@@ -227,14 +285,21 @@ def main() -> None:
     gc.callbacks.append(time_gc)
     if args.show_syncs:
         show_syncs()
+    global _device_gaps
     for name, params in runs:
         llm.generate(prompts, params, use_tqdm=False)  # warm-up: this shape once
         TOTALS.clear()
         CALLS.clear()
+        EVENTS.clear()
+        _device_gaps = args.device_gaps
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - start
-        report(name, sum(len(o.outputs[0].token_ids) for o in outs), wall)
+        _device_gaps = False
+        if args.device_gaps:
+            report_device_gaps(name, wall)
+        else:
+            report(name, sum(len(o.outputs[0].token_ids) for o in outs), wall)
 
 
 if __name__ == "__main__":
