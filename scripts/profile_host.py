@@ -113,6 +113,9 @@ def report_device_gaps(name: str, wall: float) -> None:
     totals: dict[str, float] = collections.defaultdict(float)
     for (label, _, _, _), seconds in zip(EVENTS, exclusive):
         totals[label] += seconds
+    top = [(entry, exit_) for _, entry, exit_, parent in EVENTS if parent < 0]
+    totals["(between wrapped calls)"] = sum(
+        a[1].elapsed_time(b[0]) for a, b in zip(top, top[1:])) / 1e3
     first, last = EVENTS[0][1], EVENTS[-1][2]
     print(f"{name}: device time passed inside wrapped calls (wall {wall:.2f} s, device "
           f"{first.elapsed_time(last) / 1e3:.2f} s from the first call to the last)")

@@ -201,7 +201,8 @@ def test_structured_workload_runs_shrunk_with_a_saved_tokenizer(tmp_path, capsys
     assert all(r["output_tokens"] == 4 * r["batch"] for r in data["runs"])  # to max_tokens
     assert "batch 2: throughput ratio (constrained / unconstrained)" in data["summary"]
     (pair,) = data["summary"]["batch 2: ratio per repeat (its two runs)"]  # one repeat
-    assert pair == pytest.approx(data["summary"]["batch 2: throughput ratio (constrained / unconstrained)"], abs=1e-3)
+    ratio = data["summary"]["batch 2: throughput ratio (constrained / unconstrained)"]
+    assert pair == pytest.approx(ratio, abs=1e-3)
     assert data["summary"]["batch 2: engine thread's mask fill + matcher advance per constrained token (us)"] > 0
     assert data["summary"]["batch 2: constrained outputs valid"] == "1/1"
     assert "us/token" in capsys.readouterr().out
