@@ -101,14 +101,14 @@ class Sampler:
             empty = torch.empty(0, 3, dtype=torch.float64)
             return SampledBatch(torch.empty(0, dtype=torch.long), empty, rows, num_top)
         logits = logits.float()
-        refused = None
-        if _only_min_tokens(rows, steps_ahead):
+        refused, x = None, logits
+        changes = _logits_changes(rows, steps_ahead)
+        if changes == "min_tokens":
             # min_tokens alone refuses a few tokens per row: they are set to -inf in the
             # logits themselves for the draw and put back before the logprobs read them
             # (no copy of the whole [rows, vocab] logits).
             refused = self._refuse_stop_tokens(logits, rows, steps_ahead)
-            x = logits
-        else:
+        elif changes is not None:
             x = self.process_logits(logits, rows, steps_ahead)
         sample_rows = _sample_rows(rows, x.device)
         token_ids = lse = None
@@ -216,15 +216,16 @@ def _modifies_logits(row: SamplingRow, steps_ahead: int = 0) -> bool:
     return bool(p.logit_bias) or row.output_len + steps_ahead < p.min_tokens or p.has_penalties
 
 
-def _only_min_tokens(rows: list[SamplingRow], steps_ahead: int) -> bool:
-    """Some row's min_tokens is pending and no row has a logit_bias or penalties."""
+def _logits_changes(rows: list[SamplingRow], steps_ahead: int) -> str | None:
+    """What the rows change in the logits before the draw, in one pass: None (nothing),
+    "min_tokens" (only pending min_tokens) or "copy" (a logit_bias or penalties too)."""
     pending = False
     for row in rows:
         p = row.params
         if p.logit_bias or p.has_penalties:
-            return False
+            return "copy"
         pending = pending or row.output_len + steps_ahead < p.min_tokens
-    return pending
+    return "min_tokens" if pending else None
 
 
 _NEG_INF: dict[torch.device, torch.Tensor] = {}
