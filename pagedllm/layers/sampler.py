@@ -128,7 +128,7 @@ class Sampler:
         added, min_tokens mask, then the penalties. A copy when any of them applies (the raw
         logits still give the logprobs); else the logits themselves, which nothing writes."""
         x = logits.float()
-        if not any(_modifies_logits(r, steps_ahead) for r in rows):
+        if _logits_changes(rows, steps_ahead) is None:
             return x
         x = x.clone()
         self._apply_logit_bias(x, rows)
@@ -209,11 +209,6 @@ class _Refused:
         ref = lse.view(-1).scatter_reduce(0, rows, self.raw, "amax").nan_to_num_(neginf=0.0)
         total = torch.exp(lse.view(-1) - ref).index_add_(0, rows, torch.exp(self.raw - ref[rows]))
         return (ref + torch.log(total)).view_as(lse)
-
-
-def _modifies_logits(row: SamplingRow, steps_ahead: int = 0) -> bool:
-    p = row.params
-    return bool(p.logit_bias) or row.output_len + steps_ahead < p.min_tokens or p.has_penalties
 
 
 def _logits_changes(rows: list[SamplingRow], steps_ahead: int) -> str | None:
