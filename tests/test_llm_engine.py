@@ -332,4 +332,6 @@ def test_steps_run_with_the_heap_frozen(default_llm, monkeypatch):
         default_llm.generate(PROMPT, SamplingParams(max_tokens=2), use_tqdm=False)
         assert collectable() == 0  # the engine froze them too
     finally:
-        gc.unfreeze()
+        # Both freezes undone and the engine told so: its next step freezes the heap anew
+        # (a bare gc.unfreeze would leave the tests after this one unfrozen for good).
+        llm_engine._unfreeze_heap()
