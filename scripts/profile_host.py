@@ -160,7 +160,7 @@ def install(llm: LLM, mask_threads: int | None = None) -> None:
     wrap(cg.StaticMetadata, "load", "graphs: copy inputs")
     wrap(cg.DecodeCUDAGraphs, "_replay", "graphs: replay")
     wrap(type(engine.worker.model), "forward", "model: eager forward")
-    wrap(type(engine.worker.runner.sampler), "process_logits", "sampler: process_logits")
+    wrap(type(engine.worker.runner.sampler), "_changed_copy", "sampler: logits copy changed")
     for name in ("_sample_with_triton", "_pack_logprobs", "_sample_rows"):
         wrap(sm, name, f"sampler: {name}")
 

@@ -109,7 +109,7 @@ class Sampler:
             # (no copy of the whole [rows, vocab] logits).
             refused = self._refuse_stop_tokens(logits, rows, steps_ahead)
         elif changes is not None:
-            x = self.process_logits(logits, rows, steps_ahead)
+            x = self._changed_copy(logits, rows, steps_ahead)
         sample_rows = _sample_rows(rows, x.device)
         token_ids = lse = None
         if logits.is_cuda:
@@ -130,7 +130,12 @@ class Sampler:
         x = logits.float()
         if _logits_changes(rows, steps_ahead) is None:
             return x
-        x = x.clone()
+        return self._changed_copy(x, rows, steps_ahead)
+
+    def _changed_copy(self, logits: torch.Tensor, rows: list[SamplingRow],
+                      steps_ahead: int) -> torch.Tensor:
+        """A copy of the float32 logits with the rows' changes applied."""
+        x = logits.clone()
         self._apply_logit_bias(x, rows)
         self._apply_min_tokens(x, rows, steps_ahead)
         _apply_penalties(x, rows)
