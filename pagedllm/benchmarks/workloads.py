@@ -859,7 +859,7 @@ def bench_structured(args: argparse.Namespace) -> Report:
             for i in ((0, 1) if repeat % 2 == 0 else (1, 0)):
                 result, outs_i = timed_generate(llm, kinds[i][0], prompts, kinds[i][1])
                 times[i].append(result.elapsed_s)
-                rates[i].append(result.output_tokens / max(result.elapsed_s, 1e-9))
+                rates[i].append(result.output_tokens_per_s)
                 if i == 0:
                     base = result
                 else:
@@ -875,7 +875,7 @@ def bench_structured(args: argparse.Namespace) -> Report:
         # Each repeat's two runs follow each other: their ratios show the spread that the
         # medians above hide (the host's load drifts between repeats).
         summary[f"batch {batch}: ratio per repeat (its two runs)"] = \
-            [round(c / u, 3) for u, c in zip(*rates)]
+            [round(c / u, 3) if u else None for u, c in zip(*rates)]
         constrained_tokens = max(sum(len(o.outputs[0].token_ids) for o in outs[:k]), 1)
         summary[f"batch {batch}: time difference per constrained token (us)"] = (
             (mixed.elapsed_s - base.elapsed_s * mixed.output_tokens / max(base.output_tokens, 1))
