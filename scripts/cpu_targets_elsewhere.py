@@ -3,8 +3,8 @@ gpu-check`), where the default model's 98 MB GGUF cannot travel (the device tool
 64 MiB). Timing does not depend on the weights' values, so a skeleton travels instead: the
 file's header, tokenizer and fp32 tensors as they are, its quantized tensors zeroed
 (gzip: ~1 MB). `run` fills those with random blocks of the same types (valid fp16 scales,
-tests/quant_helpers.py) and times the packed path like `bench cpu`'s target rows, printing
-every repeat: on a shared machine one median hides too much.
+tests/quant_helpers.py) and times the packed path as `bench cpu`'s target rows do
+(cpu_targets.measure), printing every repeat: on a shared machine one median hides too much.
 
     python scripts/cpu_targets_elsewhere.py skeleton .whl/smollm2-skeleton.gguf.gz
     taskset -c 2,3 env OMP_NUM_THREADS=2 python scripts/cpu_targets_elsewhere.py run \
@@ -17,7 +17,6 @@ import gzip
 import os
 import random
 import shutil
-import statistics
 import sys
 import tempfile
 
@@ -68,20 +67,18 @@ def run(skeleton_path: str, repeats: int) -> None:
         llm = LLM(model=path, quantization="gguf", device="cpu", kv_cache_memory=512 << 20)
         tokenizer = llm.get_tokenizer()
         warm_up(llm)
-        shapes, generate = cpu_targets.Shapes(), cpu_targets.pagedllm_runner(llm)
-        rates: dict[int, list[float]] = {1: [], shapes.streams: []}
-        for rep in range(repeats):
-            for n in rates:
-                prompts = text_prompts(tokenizer, random.Random(1000 * rep + n), n,
-                                       (shapes.prompt_len, shapes.prompt_len))
-                tokens, seconds = generate(prompts, shapes.decode_tokens)
-                rates[n].append(tokens / seconds)
-    print(f"cores {sorted(os.sched_getaffinity(0))}, {torch.get_num_threads()} threads, "
-          f"{shapes.prompt_len}-token prompts, {shapes.decode_tokens} greedy tokens each")
-    for n, values in rates.items():
-        target = cpu_targets.TARGETS["1 stream" if n == 1 else "16 streams"]
-        print(f"{n:2d} streams: " + ", ".join(f"{v:.1f}" for v in values)
-              + f" tok/s, median {statistics.median(values):.1f} (target {target:g})")
+
+        def prompts(n: int, length: int, seed: int) -> list[list[int]]:
+            return text_prompts(tokenizer, random.Random(seed), n, (length, length))
+
+        rows = cpu_targets.measure({"gguf": cpu_targets.pagedllm_runner(llm)}, prompts,
+                                   cpu_targets.Shapes(), repeats, set())
+    print(f"cores {sorted(os.sched_getaffinity(0))}, {torch.get_num_threads()} threads")
+    for r in rows:
+        target = cpu_targets.TARGETS.get(r["workload"])
+        unit = "prompt tok/s" if r["workload"].startswith("prefill") else "tok/s"
+        print(f"{r['workload']}: " + ", ".join(f"{v:.1f}" for v in r["rates"])
+              + f" {unit}, median {r['rate']:.1f}" + (f" (target {target:g})" if target else ""))
 
 
 def main() -> None:

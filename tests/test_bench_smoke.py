@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from pagedllm.benchmarks import workloads
+from pagedllm.benchmarks import cpu_targets, workloads
 from pagedllm.benchmarks.scheduler_bench import percentile
 from pagedllm.benchmarks.workloads import parse_args
 from pagedllm.entrypoints.usage import UsageError
@@ -157,6 +157,26 @@ def test_cpu_workload_runs_pairs_on_their_own_prompts_and_takes_the_median_ratio
     inputs = [r["input_tokens"] for r in data["runs"]]
     assert inputs[0::2] == inputs[1::2]  # a pair shares its prompts ...
     assert len(set(inputs[0::2])) > 1  # ... and each pair has its own
+
+
+def test_cpu_target_rows_keep_every_repeat_and_the_median():
+    """cpu_targets.measure: each engine and workload in turns; the row's rate is the median
+    run's, and `rates` lists every repeat's in run order (prompt tok/s for prefill)."""
+    seconds = iter([1.0, 4.0, 2.0, 0.5, 2.0, 1.0, 2.0, 4.0, 1.0])  # 3 repeats x 3 workloads
+    calls = []
+
+    def run(prompts: list[list[int]], max_tokens: int) -> tuple[int, float]:
+        calls.append((len(prompts), len(prompts[0]), max_tokens))
+        return len(prompts) * max_tokens, next(seconds)
+
+    shapes = cpu_targets.Shapes(decode_tokens=8, prompt_len=4, streams=2, prefill_len=16)
+    rows = cpu_targets.measure({"e": run}, lambda n, length, seed: [[1] * length] * n, shapes,
+                               3, set())
+    assert calls == [(1, 4, 8), (2, 4, 8), (1, 16, 1)] * 3
+    rate = {r["workload"]: (r["rate"], r["rates"]) for r in rows}
+    assert rate["1 stream"] == (8 / 1.0, [8.0, 16.0, 4.0])  # 1.0, 0.5, 2.0 s
+    assert rate["2 streams"] == (16 / 4.0, [4.0, 8.0, 4.0])  # 4.0, 2.0, 4.0 s
+    assert rate["prefill 16"] == (16 / 1.0, [8.0, 16.0, 16.0])  # 2.0, 1.0, 1.0 s
 
 
 def test_spec_workload_runs_on_a_tiny_model(tmp_path, capsys):

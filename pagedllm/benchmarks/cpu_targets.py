@@ -72,8 +72,9 @@ def llama_cpp_runner(path: str, threads: int) -> tuple[Runner | None, str]:
 
 def measure(engines: dict[str, Runner], prompts: Callable[[int, int, int], list[list[int]]],
             shapes: Shapes, repeats: int, single_stream_only: set[str]) -> list[dict]:
-    """Rows of {name, engine, workload, requests, input/output tokens, seconds, rate}: each
-    engine and workload `repeats` times in turns, the median time kept. `prompts(n, length,
+    """Rows of {name, engine, workload, requests, input/output tokens, seconds, rate, rates}:
+    each engine and workload `repeats` times in turns, the median time kept (rates: every
+    repeat's). `prompts(n, length,
     seed)` gives n prompts of exactly `length` tokens."""
     workloads = [("1 stream", 1, shapes.prompt_len, shapes.decode_tokens),
                  (f"{shapes.streams} streams", shapes.streams, shapes.prompt_len,
@@ -90,14 +91,17 @@ def measure(engines: dict[str, Runner], prompts: Callable[[int, int, int], list[
     rows = []
     for (name, label), results in times.items():
         _, n, length, new = next(w for w in workloads if w[0] == label)
+
+        def rate(output: int, seconds: float) -> float:
+            # the workload's rate: prompt tokens/s for prefill, output tokens/s otherwise
+            return (n * length if new == 1 else output) / seconds
+
         output, seconds = sorted(results, key=lambda r: r[1])[len(results) // 2]
-        prefill = new == 1
         rows.append({
             "name": f"{name} {label}", "engine": name, "workload": label, "num_requests": n,
             "input_tokens": n * length, "output_tokens": output, "elapsed_s": seconds,
-            "output_tokens_per_s": output / seconds,
-            # the workload's rate: prompt tokens/s for prefill, output tokens/s otherwise
-            "rate": (n * length if prefill else output) / seconds,
+            "output_tokens_per_s": output / seconds, "rate": rate(output, seconds),
+            "rates": [round(rate(*r), 1) for r in results],  # each repeat's, in run order
         })
     return rows
 
