@@ -9,6 +9,10 @@ from typing import Any
 
 # Below this temperature a request is greedy (argmax): dividing by it would overflow.
 GREEDY_TEMPERATURE = 1e-5
+# repetition_penalty divides (or multiplies) float32 logits: within these bounds the result
+# stays finite (a logit of 100 / 1e-30 is 1e32 < float32's 3.4e38), outside it is refused.
+MIN_REPETITION_PENALTY = 1e-30
+MAX_REPETITION_PENALTY = 1e30
 # Most top alternatives a request may ask for, per generated or prompt token.
 MAX_LOGPROBS = 20
 LOGIT_BIAS_LIMIT = 100.0
@@ -47,6 +51,14 @@ class SamplingType(enum.IntEnum):
 
 @dataclass
 class SamplingParams:
+    """How extreme values behave (the sampler works in float32):
+    - temperature below GREEDY_TEMPERATURE (1e-300 too) is greedy; a huge one is uniform;
+    - top_p in (0, 1]: below float32's smallest positive (~1e-45) it rounds to 0, and, like
+      any top_p under the top token's probability, keeps only the top token (greedy);
+    - min_p in [0, 1]: a tiny one cuts nothing, 1 keeps only the most likely tokens;
+    - presence/frequency_penalty in [-2, 2]; repetition_penalty in [1e-30, 1e30] (refused
+      outside: dividing a logit by it must stay finite)."""
+
     n: int = 1
     best_of: int | None = None
     presence_penalty: float = 0.0
@@ -87,10 +99,14 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
             setattr(self, name, value)
         self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty)
-        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
+        if not self.repetition_penalty > 0:
             raise ValueError(
                 f"repetition_penalty must be greater than zero, got {self.repetition_penalty}"
             )
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(
+                f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
+                f"{MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}")
         self.temperature = _check_float("temperature", self.temperature)
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             raise ValueError(f"temperature must be non-negative, got {self.temperature}")

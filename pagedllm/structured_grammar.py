@@ -9,6 +9,7 @@ sampling; the engine's matchers are in engine/structured_output.py.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 # JSON is written compactly (", " and ": " between items, no other whitespace): a small
@@ -18,6 +19,12 @@ JSON_DEFAULTS: dict[str, Any] = {"whitespace_flexible": False}
 
 # json_object: any JSON object (OpenAI's {"type": "json_object"}).
 JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}
+
+# Stated bounds, checked before anything is generated (llguidance's lexer gives up on
+# larger ones mid-way, after the first tokens): options of a choice, and the count of a
+# bounded repeat (`a{N}`, `{M,N}`) in a regex or a JSON schema's "pattern".
+MAX_CHOICES = 10_000
+MAX_REGEX_REPEAT = 10_000
 
 
 def compile_grammar(params: Any) -> str:
@@ -45,6 +52,7 @@ def compile_grammar(params: Any) -> str:
         elif kind == "regex":
             if not isinstance(params.regex, str):
                 raise ValueError(f"regex must be a string, got {params.regex!r}")
+            check_regex_repeats(params.regex, "regex")
             grammar = LLMatcher.grammar_from_regex(params.regex)
             what = "regex"
         elif kind == "choice":
@@ -109,12 +117,82 @@ def _schema(value: Any) -> dict:
         value = {} if value else {"not": {}}
     if not isinstance(value, dict):
         raise ValueError(f"invalid JSON schema: a schema is a JSON object, got {value!r}")
+    _check_schema_bounds(value)
     return close_objects(value)
 
 
+# String lengths become bounded repeats in llguidance's lexer: the same bound applies.
+_LENGTH_KEYS = ("minLength", "maxLength")
+
+
+def _check_schema_bounds(schema: Any, depth: int = 0) -> None:
+    """Every "pattern" (and patternProperties key) and string length of a schema within
+    MAX_REGEX_REPEAT (check_regex_repeats)."""
+    if depth > 200:
+        raise ValueError("invalid JSON schema: nested deeper than 200 levels")
+    if isinstance(schema, list):
+        for item in schema:
+            _check_schema_bounds(item, depth + 1)
+        return
+    if not isinstance(schema, dict):
+        return
+    for key, value in schema.items():
+        if key == "enum" and isinstance(value, list) and len(value) > MAX_CHOICES:
+            raise ValueError(f"JSON schema enum has {len(value)} values; at most "
+                             f"{MAX_CHOICES} are allowed")
+        if key in ("enum", "const", "default", "examples"):
+            continue
+        if key == "pattern" and isinstance(value, str):
+            check_regex_repeats(value, "JSON schema pattern")
+        elif key == "patternProperties" and isinstance(value, dict):
+            for pattern in value:
+                check_regex_repeats(pattern, "JSON schema patternProperties")
+        elif key in _LENGTH_KEYS and isinstance(value, int) and value > MAX_REGEX_REPEAT:
+            raise ValueError(f"JSON schema {key} is {value}; at most {MAX_REGEX_REPEAT} "
+                             "is allowed")
+        _check_schema_bounds(value, depth + 1)
+
+
 def choice_lark(choices: Any) -> str:
-    """A Lark grammar whose sentences are exactly the given strings."""
+    """A Lark grammar whose sentences are exactly the given strings: one lexeme (a
+    terminal, upper case), so the options are one alternation of the lexer's and not one
+    parser item each (llguidance's parser refuses a row of over 2,000 items mid-way)."""
     if (not isinstance(choices, (list, tuple)) or not choices
             or not all(isinstance(c, str) and c for c in choices)):
         raise ValueError(f"choice must be a non-empty list of non-empty strings, got {choices!r}")
-    return "start: " + " | ".join(json.dumps(c) for c in choices)
+    if len(choices) > MAX_CHOICES:
+        raise ValueError(f"choice has {len(choices)} options; at most {MAX_CHOICES} are allowed")
+    return "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c) for c in choices)
+
+
+def check_regex_repeats(regex: str, what: str) -> None:
+    """ValueError when a bounded repeat of the regex counts over MAX_REGEX_REPEAT. A regex
+    Python cannot parse (llguidance's syntax is wider: `\\p{L}`) is left to llguidance."""
+    import re._parser as sre_parse  # the parser of Python's own `re`
+
+    try:
+        parsed = sre_parse.parse(regex)
+    except (re.error, OverflowError, RecursionError):
+        return
+    largest = _largest_repeat(parsed)
+    if largest > MAX_REGEX_REPEAT:
+        raise ValueError(f"{what} repeats {largest} times; at most {MAX_REGEX_REPEAT} "
+                         "repetitions are allowed")
+
+
+def _largest_repeat(parsed: Any) -> int:
+    """The largest finite bound of any {M,N} repeat in a parsed regex (sre_parse's tree)."""
+    largest = 0
+    for op, arg in parsed:
+        name = str(op)
+        if name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
+            low, high, sub = arg
+            bound = low if str(high) == "MAXREPEAT" else max(low, high)
+            largest = max(largest, bound, _largest_repeat(sub))
+        elif name == "SUBPATTERN":
+            largest = max(largest, _largest_repeat(arg[-1]))
+        elif name == "BRANCH":
+            largest = max([largest] + [_largest_repeat(b) for b in arg[1]])
+        elif name in ("ASSERT", "ASSERT_NOT"):
+            largest = max(largest, _largest_repeat(arg[1]))
+    return largest

@@ -493,7 +493,7 @@ class LLMEngine:
                 status = SequenceStatus.FINISHED_LENGTH
             # The grammar takes every appended token, and its end stops the sequence.
             if structured is not None and structured.accept(seq.seq_id, token):
-                status = SequenceStatus.FINISHED_STOPPED
+                status = self._grammar_end(seq)
             if status is not RUNNING:
                 cut = i + 1
                 break
@@ -559,9 +559,18 @@ class LLMEngine:
         self._check_stop(seq, params, len(new_text))
         if params.structured_outputs is not None and self.structured.accept(
                 seq.seq_id, sample.token_id):
-            seq.status = SequenceStatus.FINISHED_STOPPED  # the grammar is complete
+            seq.status = self._grammar_end(seq)
         if seq.is_finished():
             self._finish(seq, params)
+
+    def _grammar_end(self, seq: Sequence) -> SequenceStatus:
+        """The status of a sequence whose grammar ended: complete (stop), or failed mid-way
+        (error, its message as the stop reason: never a plain stop)."""
+        error = self.structured.error(seq.seq_id)
+        if error is None:
+            return SequenceStatus.FINISHED_STOPPED
+        seq.stop_reason = error
+        return SequenceStatus.FINISHED_ERROR
 
     def _finish(self, seq: Sequence, params: SamplingParams) -> None:
         """A sequence that just finished: its whole text (offline), its blocks freed."""

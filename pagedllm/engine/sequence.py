@@ -20,6 +20,8 @@ class SequenceStatus(enum.Enum):
     FINISHED_ABORTED = "abort"
     # Rejected by the scheduler: can never fit in the KV cache.
     FINISHED_IGNORED = "ignored"
+    # Its grammar failed mid-way (a limit hit during generation); stop_reason says why.
+    FINISHED_ERROR = "error"
 
     # Members are singletons: identity hashing, not Enum's Python-level hash of the name
     # (statuses are looked up in sets for every sequence on every step).
@@ -38,6 +40,7 @@ class SequenceStatus(enum.Enum):
 FINISHED_STATUSES = frozenset({
     SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
     SequenceStatus.FINISHED_ABORTED, SequenceStatus.FINISHED_IGNORED,
+    SequenceStatus.FINISHED_ERROR,
 })
 
 

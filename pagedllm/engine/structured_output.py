@@ -78,6 +78,48 @@ def ll_tokenizer(tokenizer: Any, eos_token_ids: list[int]) -> Any:
     return entry[1]
 
 
+_LIMITS: Any = None
+
+
+def parser_limits() -> Any:
+    """The llguidance limits every matcher of the engine runs under (and the server's check
+    before admission, `check_grammar`): its defaults, with short error messages (no parser
+    state dumped into an API error)."""
+    global _LIMITS
+    if _LIMITS is None:
+        import llguidance
+
+        _LIMITS = llguidance.LLParserLimits(verbose_errors=False)
+    return _LIMITS
+
+
+def new_matcher(ll: Any, grammar: str, validate: bool = True) -> Any:
+    """A fresh matcher under `parser_limits`; ValueError naming the problem when the grammar
+    does not compile against this tokenizer, or when it fails on its first mask (a grammar
+    that allows no token: a JSON schema whose $ref loops with no base case)."""
+    import llguidance
+
+    limits = parser_limits()
+    error = validate and llguidance.LLMatcher.validate_grammar(grammar, ll, limits=limits)
+    if error:
+        raise ValueError(f"structured output: {error.strip()}")
+    matcher = llguidance.LLMatcher(ll, grammar, log_level=0, limits=limits)
+    if validate and not matcher.is_error():
+        mask = torch.empty((ll.vocab_size + 31) // 32, dtype=torch.int32)
+        matcher.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * 4)
+        if matcher.is_error():
+            raise ValueError("structured output: the grammar allows no output "
+                             f"({first_line(matcher.get_error())}); a recursive schema needs "
+                             "a branch that ends")
+    if matcher.is_error():
+        raise ValueError(f"structured output: {first_line(matcher.get_error())}")
+    return matcher
+
+
+def first_line(error: str) -> str:
+    return error.strip().splitlines()[0] if error.strip() else "unknown error"
+
+
 def _usable_cpus() -> int:
     if hasattr(os, "sched_getaffinity"):  # Linux: the cores this process may run on
         return max(1, len(os.sched_getaffinity(0)))
@@ -105,6 +147,8 @@ class StructuredOutputManager:
         self._fresh: OrderedDict[str, _Fresh] = OrderedDict()  # grammar -> unused matchers
         # seq_id -> per token consumed ahead (`advance`), in order: did it end the grammar
         self._ahead: dict[int, deque[bool]] = {}
+        # seq_id -> why its grammar failed mid-way (a limit hit): the sequence ends "error".
+        self.errors: dict[int, str] = {}
         # Seconds the engine's thread spent filling masks (or waiting for a background
         # fill) and advancing matchers (`bench structured`).
         self.host_seconds = 0.0
@@ -144,15 +188,7 @@ class StructuredOutputManager:
             kept -= len(self._fresh.popitem(last=False)[1].matchers)
 
     def _compile(self, grammar: str, validate: bool = True) -> Any:
-        import llguidance
-
-        error = validate and llguidance.LLMatcher.validate_grammar(grammar, self.ll)
-        if error:
-            raise ValueError(f"structured output: {error.strip()}")
-        matcher = llguidance.LLMatcher(self.ll, grammar, log_level=0)
-        if matcher.is_error():
-            raise ValueError(f"structured output: {matcher.get_error()}")
-        return matcher
+        return new_matcher(self.ll, grammar, validate)
 
     def fork(self, parent_id: int, child_id: int) -> None:
         self._settle()
@@ -173,7 +209,7 @@ class StructuredOutputManager:
             return False
         self._settle()
         start = time.perf_counter()
-        done = self._consume(seq_id, matcher, token_id)
+        done = self._consume(seq_id, matcher, token_id, self.errors)
         self.host_seconds += time.perf_counter() - start
         return done
 
@@ -190,22 +226,32 @@ class StructuredOutputManager:
             matcher = matchers.get(seq_id)
             if matcher is None or matcher.is_stopped() or matcher.is_error():
                 continue
-            done = self._consume(seq_id, matcher, int(token))
+            done = self._consume(seq_id, matcher, int(token), self.errors)
             self._ahead.setdefault(seq_id, deque()).append(done)
         self.host_seconds += time.perf_counter() - start
 
     @staticmethod
-    def _consume(seq_id: int, matcher: Any, token_id: int) -> bool:
-        if not matcher.consume_token(token_id):
-            logger.warning("sequence %d: token %d is outside its grammar (%s); stopping it",
-                           seq_id, token_id, matcher.get_error())
+    def _consume(seq_id: int, matcher: Any, token_id: int, errors: dict[int, str]) -> bool:
+        """Advance by one token; True when the sequence ends. A matcher that failed (on
+        this token, or on the mask before it: a limit of llguidance's hit mid-way) ends it
+        with its error recorded in `errors`, never as a plain stop."""
+        if matcher.is_error() or not matcher.consume_token(token_id):
+            error = first_line(matcher.get_error()) if matcher.is_error() else \
+                f"token {token_id} is outside the grammar"
+            logger.warning("sequence %d: structured output failed: %s", seq_id, error)
+            errors[seq_id] = f"structured output failed during generation: {error}"
             return True
         return matcher.is_stopped()
+
+    def error(self, seq_id: int) -> str | None:
+        """Why the sequence's grammar failed, if it did (read before `free`)."""
+        return self.errors.get(seq_id)
 
     def free(self, seq_ids: Any) -> None:
         for seq_id in seq_ids:
             self.matchers.pop(seq_id, None)
             self._ahead.pop(seq_id, None)
+            self.errors.pop(seq_id, None)
 
     def fill_bitmask(self, batch: "StepBatch") -> None:
         """Set `batch.token_bitmask` (one row per constrained sampled row) and

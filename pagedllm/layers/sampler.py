@@ -393,8 +393,10 @@ def _apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     sorted_x = sorted_x.masked_fill(rank >= top_k[:, None], float("-inf"))
     probs = torch.softmax(sorted_x, dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
-    # Rows with top_p == 1 are exempt: rounding in the cumsum must not cut their tail.
-    drop = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    # Rows with top_p == 1 are exempt: rounding in the cumsum must not cut their tail. The
+    # top token always stays: a top_p below float32's smallest positive value is 0 here,
+    # and acts as greedy (the limit of ever smaller top_p), never as "drop every token".
+    drop = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0) & (rank > 0)
     sorted_x = sorted_x.masked_fill(drop, float("-inf"))
     return torch.empty_like(x).scatter_(1, order, sorted_x)
 

@@ -66,6 +66,23 @@ def tp_device(device: torch.device, device_map: str) -> torch.device:
     return torch.device("cuda", local)
 
 
+# As vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN: a context longer than the model's positions
+# (a rope-scaled model the config undersells); past them, outputs may be garbage.
+ALLOW_LONG_MAX_MODEL_LEN = "PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN"
+
+
+def resolve_max_model_len(requested: int | None, model_max: int) -> int:
+    """The context length: the model's own by default; a longer request is an error naming
+    both numbers unless ALLOW_LONG_MAX_MODEL_LEN=1 is set in the environment."""
+    if requested is None:
+        return model_max
+    if requested > model_max and os.environ.get(ALLOW_LONG_MAX_MODEL_LEN) != "1":
+        raise ValueError(
+            f"--max-model-len {requested} is longer than the model's {model_max} positions "
+            f"(max_position_embeddings); set {ALLOW_LONG_MAX_MODEL_LEN}=1 to allow it anyway")
+    return requested
+
+
 class Worker:
     # A batch may leave its token bitmask for later (StepBatch.defer_token_bitmask).
     defers_token_bitmask = True
@@ -96,8 +113,11 @@ class Worker:
             explicit_map.devices if explicit_map is not None else [device], args.dtype)
         if ps.is_initialized():
             self.quantization = None  # the sharded layers hold plain weights (EngineArgs checks)
-        self.max_model_len = min(args.max_model_len or config.max_position_embeddings,
-                                 config.max_position_embeddings)
+        self.max_model_len = resolve_max_model_len(args.max_model_len,
+                                                   config.max_position_embeddings)
+        if self.max_model_len > config.max_position_embeddings:  # allowed by the override
+            source.config = config = replace(config, max_position_embeddings=self.max_model_len)
+            self.model_config = config
         # On the CPU, prompt batches of 2048 tokens keep the GEMMs near their best rate.
         default_budget = 8192 if device.type == "cuda" else 2048
         budget = args.max_num_batched_tokens or default_budget

@@ -55,6 +55,10 @@ class ServerMetrics:
                                      "Prompt tokens of requests that started", registry=r)
         self.generation_tokens = Counter("pagedllm:generation_tokens_total",
                                          "Tokens generated", registry=r)
+        self.sequence_errors = Counter(
+            "pagedllm:sequence_errors_total",
+            "Sequences that ended with finish_reason error (a grammar limit hit mid-way)",
+            registry=r)
         # request id -> time its latest token was seen
         self._last_token_time: dict[str, float] = {}
 
@@ -80,6 +84,9 @@ class ServerMetrics:
             self._last_token_time[output.request_id] = last
         if output.finished:
             self._last_token_time.pop(output.request_id, None)
+            errors = sum(o.finish_reason == "error" for o in output.outputs)
+            if errors:
+                self.sequence_errors.inc(errors)
 
     def on_abort(self, request_id: str) -> None:
         self._last_token_time.pop(request_id, None)

@@ -231,7 +231,7 @@ class CompletionChoice(OpenAIBaseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "error"] | None = None
     stop_reason: int | str | None = None
 
 
@@ -345,6 +345,18 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    # vLLM's extras: continue the last (assistant) message instead of opening a new turn
+    # (needs add_generation_prompt false); the prompt's logprobs (top N) in the response.
+    continue_final_message: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+
+class PromptLogprob(OpenAIBaseModel):
+    """One prompt token's logprob as vLLM writes it (keyed by token id)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 class TopLogprob(OpenAIBaseModel):
@@ -378,7 +390,8 @@ class ChatResponseMessage(OpenAIBaseModel):
     tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
-FinishReason = Literal["stop", "length", "tool_calls"]
+# "error": the request's grammar failed mid-way (stop_reason says why); never a plain "stop".
+FinishReason = Literal["stop", "length", "tool_calls", "error"]
 
 
 class ChatCompletionChoice(OpenAIBaseModel):
@@ -396,6 +409,8 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    # With prompt_logprobs: per prompt token (None for the first), token id -> logprob.
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class DeltaFunctionCall(OpenAIBaseModel):

@@ -17,6 +17,7 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatMessage,
     ChatResponseMessage,
     ChoiceLogprobs,
+    PromptLogprob,
     DeltaFunctionCall,
     DeltaMessage,
     DeltaToolCall,
@@ -49,9 +50,11 @@ from pagedllm.entrypoints.openai.serving_engine import (
     OpenAIError,
     OpenAIServing,
     check_output,
+    constraint_field,
     final_outputs,
     sse,
     sse_error,
+    sse_finish_error,
 )
 
 
@@ -134,7 +137,9 @@ class ToolPlan:
             choice = "named"
         self.choice = choice
         self.names = {f["name"] for f in functions}
-        self.parallel = request.parallel_tool_calls
+        # A named function is called exactly once (OpenAI's "forces the model to call that
+        # function"): its grammar ends after one block, so EOS follows it.
+        self.parallel = request.parallel_tool_calls and choice != "named"
         self.structured: StructuredOutputsParams | None = None
         if choice in ("required", "named"):
             try:
@@ -156,6 +161,22 @@ class ToolPlan:
         return content, calls
 
 
+def check_prefill(request: ChatCompletionRequest) -> None:
+    """vLLM's rules for continue_final_message and prompt_logprobs."""
+    if request.continue_final_message:
+        if request.add_generation_prompt:
+            raise OpenAIError("continue_final_message and add_generation_prompt cannot both "
+                              "be true: set add_generation_prompt to false to continue the "
+                              "last message", param="continue_final_message")
+        last = request.messages[-1]
+        if not isinstance(last, AssistantMessage) or not _text(last.content):
+            raise OpenAIError("continue_final_message needs a last assistant message with "
+                              "content to continue", param="continue_final_message")
+    if request.prompt_logprobs is not None and request.stream:
+        raise OpenAIError("prompt_logprobs are not available when stream is true",
+                          param="prompt_logprobs")
+
+
 def tool_finish_reason(o: Any, calls: list[ParsedCall]) -> str | None:
     reason = finish_reason(o)
     return "tool_calls" if calls and reason == "stop" else reason
@@ -164,7 +185,7 @@ def tool_finish_reason(o: Any, calls: list[ParsedCall]) -> str | None:
 class OpenAIServingChat(OpenAIServing):
     async def render_prompt(
         self, messages: list[ChatMessage], add_generation_prompt: bool = True,
-        tools: list[dict[str, Any]] | None = None,
+        tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
     ) -> list[int]:
         """The conversation through the chat template, as token ids (the template already
         wrote the special tokens, so none are added), exactly as LLM.chat does. On the
@@ -180,10 +201,11 @@ class OpenAIServingChat(OpenAIServing):
             dicts = with_tools_prompt(dicts, tools)
 
         def render() -> str:
-            if template_tools:
+            if template_tools or continue_final_message:
                 return tokenizer.apply_chat_template(
-                    dicts, tools=tools, tokenize=False,
-                    add_generation_prompt=add_generation_prompt)
+                    dicts, tools=tools if template_tools else None, tokenize=False,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message)
             return engine.apply_chat_template(dicts, add_generation_prompt)
 
         try:
@@ -208,15 +230,18 @@ class OpenAIServingChat(OpenAIServing):
         server_default = max_tokens is None
         if server_default:  # None: the rest of the context, as vLLM
             max_tokens = self.max_tokens_default
+        check_prefill(request)
         plan = ToolPlan(request)
         params = self.sampling_params(
             request,
             max_tokens=max_tokens,
             logprobs=(request.top_logprobs or 0) if request.logprobs else None,
+            prompt_logprobs=request.prompt_logprobs,
             structured_outputs=plan.structured,
         )
+        await self.check_grammar(params, "tools" if plan.structured else constraint_field(request))
         prompt = await self.render_prompt(request.messages, request.add_generation_prompt,
-                                          plan.tools or None)
+                                          plan.tools or None, request.continue_final_message)
         request_id = random_id("chatcmpl")
         streams = await self.add_requests([prompt], params, request_id,
                                           server_default=server_default)
@@ -244,8 +269,16 @@ class OpenAIServingChat(OpenAIServing):
             total_tokens=len(out.prompt_token_ids) + completion_tokens,
         )
         return ChatCompletionResponse(
-            id=request_id, model=self.model_name, choices=choices, usage=usage
+            id=request_id, model=self.model_name, choices=choices, usage=usage,
+            prompt_logprobs=self._prompt_logprobs(out) if request.prompt_logprobs is not None
+            else None,
         )
+
+    def _prompt_logprobs(self, out: Any) -> list[dict[str, PromptLogprob] | None]:
+        return [None if step is None else {
+            str(t): PromptLogprob(logprob=lp.logprob, rank=lp.rank,
+                                  decoded_token=self.token_str(t, lp))
+            for t, lp in step.items()} for step in out.prompt_logprobs or []]
 
     async def _stream(
         self, request: ChatCompletionRequest, request_id: str, streams: list[RequestStream],
@@ -314,6 +347,8 @@ class OpenAIServingChat(OpenAIServing):
                         finish_reason=reason,
                         stop_reason=o.stop_reason if reason else None,
                     )])
+                    if reason == "error":
+                        yield sse_finish_error(o.stop_reason)
             if request.stream_options and request.stream_options.include_usage:
                 completion_tokens = sum(sent_tokens)
                 yield sse(ChatCompletionStreamResponse(

@@ -21,16 +21,18 @@ from pagedllm.entrypoints.openai.serving_engine import (
     OpenAIError,
     OpenAIServing,
     check_output,
+    constraint_field,
     final_outputs,
     merge_streams,
     sse,
     sse_error,
+    sse_finish_error,
 )
 from pagedllm.outputs import CompletionOutput, RequestOutput
 
 
 def finish_reason(output: CompletionOutput) -> Any:
-    return output.finish_reason if output.finish_reason in ("stop", "length") else None
+    return output.finish_reason if output.finish_reason in ("stop", "length", "error") else None
 
 
 # OpenAI's default for /v1/completions.
@@ -61,6 +63,7 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt_logprobs=request.logprobs if request.echo and request.logprobs is not None
             else None,
         )
+        await self.check_grammar(params, constraint_field(request))
         prompts = normalise_prompts(request.prompt)
         # Text is tokenized here, off the engine's thread; echo shows it as it was sent.
         texts = [p if isinstance(p, str) else None for p in prompts]
@@ -158,6 +161,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     yield sse(CompletionResponse(
                         id=request_id, created=created, model=self.model_name, choices=[choice]
                     ))
+                    if choice.finish_reason == "error":
+                        yield sse_finish_error(choice.stop_reason)
             if request.stream_options and request.stream_options.include_usage:
                 completion_tokens = sum(sent_tokens.values())
                 yield sse(CompletionResponse(

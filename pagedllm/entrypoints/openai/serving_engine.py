@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -12,12 +13,14 @@ from typing import Any, TypeVar
 from pydantic import BaseModel
 
 from pagedllm.engine.async_engine import AsyncLLMEngine, RequestStream
+from pagedllm.engine.structured_output import new_matcher
 from pagedllm.outputs import Logprob
 from pagedllm.entrypoints.openai.protocol import SamplingFields
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 T = TypeVar("T")
+MAX_CHECKED_GRAMMARS = 256
 
 
 class OpenAIError(Exception):
@@ -113,6 +116,25 @@ class OpenAIServing:
         self.tokenizer = tokenizer
         # max_tokens of a request that sets none (None: each endpoint's own default).
         self.max_tokens_default = max_tokens_default
+        # Grammars that passed check_grammar (most recent last), so it runs once each.
+        self._checked_grammars: OrderedDict[str, None] = OrderedDict()
+
+    async def check_grammar(self, params: SamplingParams, param: str | None) -> None:
+        """A 400 naming the field when the request's grammar fails against this tokenizer
+        under the engine's limits, or allows no output at all (engine/structured_output.py's
+        new_matcher: its first mask is computed here, on the tokenizer's thread)."""
+        constraint = params.structured_outputs
+        if constraint is None or constraint.compiled in self._checked_grammars:
+            return
+        structured = self.engine.engine.structured
+        try:
+            await self.tokenizer.run(lambda: new_matcher(structured.ll, constraint.compiled))
+        except ValueError as exc:
+            message = str(exc).removeprefix("structured output: ")
+            raise OpenAIError(f"{param}: {message}" if param else str(exc), param=param) from None
+        self._checked_grammars[constraint.compiled] = None
+        if len(self._checked_grammars) > MAX_CHECKED_GRAMMARS:
+            self._checked_grammars.popitem(last=False)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -201,6 +223,18 @@ class OpenAIServing:
                 stream.abort()
             raise
         return streams
+
+
+def constraint_field(request: SamplingFields) -> str | None:
+    """The name of the field that carries the request's output constraint, if any."""
+    fmt = request.response_format
+    if fmt is not None and fmt.type != "text":
+        return "response_format"
+    for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                 "guided_grammar"):
+        if getattr(request, name) is not None:
+            return name
+    return None
 
 
 def structured_outputs_of(request: SamplingFields) -> StructuredOutputsParams | None:
@@ -310,6 +344,13 @@ def sse(data: BaseModel | dict[str, Any]) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_finish_error(message: Any) -> str:
+    """After a choice that ended with finish_reason "error" (its grammar failed mid-way):
+    the error as an event too, so a streaming client raises instead of taking the text."""
+    return sse(OpenAIError(str(message), 500, type="server_error",
+                           code="structured_output_failed").to_dict())
 
 
 def sse_error(exc: BaseException) -> str:
