@@ -345,6 +345,10 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    # vLLM's: extra variables of the chat template (e.g. {"enable_thinking": false}).
+    chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: most tokens of thinking (with --reasoning-parser); then </think> is forced.
+    thinking_token_budget: int | None = Field(None, ge=0)
 
 
 class TopLogprob(OpenAIBaseModel):
@@ -372,8 +376,14 @@ class ToolCallOut(OpenAIBaseModel):
     function: FunctionCallOut
 
 
+def _absent(value: Any) -> bool:
+    return value is None
+
+
 class ChatResponseMessage(OpenAIBaseModel):
     role: str = "assistant"
+    # The thinking, with --reasoning-parser (absent otherwise).
+    reasoning_content: str | None = Field(None, exclude_if=_absent)
     content: str | None = None
     tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
@@ -412,6 +422,7 @@ class DeltaToolCall(OpenAIBaseModel):
 
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
+    reasoning_content: str | None = Field(None, exclude_if=_absent)
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 

@@ -32,6 +32,7 @@ from pagedllm.entrypoints.openai.protocol import (
     now,
     random_id,
 )
+from pagedllm.entrypoints.chat_utils import _RESERVED_TEMPLATE_KWARGS as RESERVED_TEMPLATE_KWARGS
 from pagedllm.entrypoints.openai.serving_completion import finish_reason
 from pagedllm.entrypoints.openai.tool_calls import (
     ParsedCall,
@@ -42,7 +43,11 @@ from pagedllm.entrypoints.openai.tool_calls import (
     tool_dicts,
     with_tools_prompt,
 )
-from pagedllm.sampling_params import StructuredOutputsParams
+from pagedllm.entrypoints.reasoning import (
+    THINK_END, ReasoningSplitter, ThinkingMode, constrain_after_thinking, split_reasoning,
+    thinking_mode,
+)
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedllm.entrypoints.openai.serving_engine import (
     SSE_DONE,
     SSEResponse,
@@ -162,9 +167,12 @@ def tool_finish_reason(o: Any, calls: list[ParsedCall]) -> str | None:
 
 
 class OpenAIServingChat(OpenAIServing):
+    reasoning_parser: str | None = None  # --reasoning-parser (qwen3 | deepseek_r1)
+
     async def render_prompt(
         self, messages: list[ChatMessage], add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """The conversation through the chat template, as token ids (the template already
         wrote the special tokens, so none are added), exactly as LLM.chat does. On the
@@ -179,11 +187,19 @@ class OpenAIServingChat(OpenAIServing):
         if tools and not template_tools:
             dicts = with_tools_prompt(dicts, tools)
 
+        kwargs = dict(template_kwargs or {})
+        reserved = sorted(set(kwargs) & set(RESERVED_TEMPLATE_KWARGS))
+        if reserved:
+            raise OpenAIError(f"chat_template_kwargs cannot set {', '.join(reserved)}",
+                              param="chat_template_kwargs")
+
         def render() -> str:
-            if template_tools:
+            if template_tools or kwargs:
+                if not getattr(tokenizer, "chat_template", None):
+                    raise ValueError("this model has no chat template")
                 return tokenizer.apply_chat_template(
-                    dicts, tools=tools, tokenize=False,
-                    add_generation_prompt=add_generation_prompt)
+                    dicts, tools=tools if template_tools else None, tokenize=False,
+                    add_generation_prompt=add_generation_prompt, **kwargs)
             return engine.apply_chat_template(dicts, add_generation_prompt)
 
         try:
@@ -216,19 +232,24 @@ class OpenAIServingChat(OpenAIServing):
             structured_outputs=plan.structured,
         )
         prompt = await self.render_prompt(request.messages, request.add_generation_prompt,
-                                          plan.tools or None)
+                                          plan.tools or None, request.chat_template_kwargs)
+        mode = self._thinking(prompt, params, request.thinking_token_budget)
         request_id = random_id("chatcmpl")
         streams = await self.add_requests([prompt], params, request_id,
                                           server_default=server_default)
         if request.stream:
-            return SSEResponse(self._stream(request, request_id, streams, plan), streams)
+            return SSEResponse(self._stream(request, request_id, streams, plan, mode), streams)
         (out,) = await final_outputs(streams)
         choices = []
         for j, o in enumerate(out.outputs):
-            content, calls = plan.parse(o.text)
+            reasoning, text = split_reasoning(o.text, mode) if mode else (None, o.text)
+            content, calls = plan.parse(text or "")
+            if mode is not None:  # as vLLM: no answer after the thinking is a null content
+                content = content or None
             choices.append(ChatCompletionChoice(
                 index=j,
-                message=ChatResponseMessage(content=content, tool_calls=[
+                message=ChatResponseMessage(reasoning_content=reasoning, content=content,
+                                            tool_calls=[
                     ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name,
                                                                   arguments=c.arguments))
                     for c in calls]),
@@ -247,9 +268,29 @@ class OpenAIServingChat(OpenAIServing):
             id=request_id, model=self.model_name, choices=choices, usage=usage
         )
 
+    def _thinking(self, prompt: list[int], params: SamplingParams,
+                  budget: int | None) -> ThinkingMode | None:
+        """With --reasoning-parser: where the output starts (read from the prompt's end), and
+        the request's grammar moved after the thinking (bounded by thinking_token_budget)."""
+        if self.reasoning_parser is None:
+            if budget is not None:
+                raise OpenAIError("thinking_token_budget needs a server started with "
+                                  "--reasoning-parser", param="thinking_token_budget")
+            return None
+        tokenizer = self.tokenizer.tokenizer
+        mode = thinking_mode(self.reasoning_parser,
+                             tokenizer.decode(prompt[-32:], skip_special_tokens=False))
+        end_tag_tokens = len(tokenizer.encode(THINK_END, add_special_tokens=False))
+        try:
+            params.structured_outputs = constrain_after_thinking(
+                params.structured_outputs, mode, budget, end_tag_tokens)
+        except ValueError as exc:
+            raise OpenAIError(str(exc)) from None
+        return mode
+
     async def _stream(
         self, request: ChatCompletionRequest, request_id: str, streams: list[RequestStream],
-        plan: ToolPlan,
+        plan: ToolPlan, mode: ThinkingMode | None = None,
     ) -> AsyncIterator[str]:
         created = now()
         (stream,) = streams
@@ -261,6 +302,8 @@ class OpenAIServingChat(OpenAIServing):
         if filters and plan.structured is not None:  # the whole output is calls
             for f in filters:
                 f.in_call = True
+        # Reasoning: each choice's thinking goes to reasoning_content, the rest on as content.
+        splitters = [ReasoningSplitter(mode) for _ in range(request.n)] if mode else None
 
         def chunk(choices: list[ChatCompletionStreamChoice]) -> str:
             return sse(ChatCompletionStreamResponse(
@@ -291,6 +334,12 @@ class OpenAIServingChat(OpenAIServing):
                         )
                     sent_tokens[j] += len(delta_ids)
                     reason = finish_reason(o) if o.finished() else None
+                    thought = ""
+                    if splitters is not None:
+                        thought, delta_text = splitters[j].feed(delta_text)
+                        if o.finished():
+                            more_thought, more_text = splitters[j].finish()
+                            thought, delta_text = thought + more_thought, delta_text + more_text
                     if filters is not None:
                         delta_text = filters[j].feed(delta_text)
                         if o.finished():
@@ -309,7 +358,8 @@ class OpenAIServingChat(OpenAIServing):
                         done.add(j)
                     yield chunk([ChatCompletionStreamChoice(
                         index=j,
-                        delta=DeltaMessage(content=delta_text) if delta_text else DeltaMessage(),
+                        delta=DeltaMessage(reasoning_content=thought or None,
+                                           content=delta_text or None),
                         logprobs=logprobs,
                         finish_reason=reason,
                         stop_reason=o.stop_reason if reason else None,

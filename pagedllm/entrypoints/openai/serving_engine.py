@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 class OpenAIError(Exception):
@@ -113,9 +115,21 @@ class OpenAIServing:
         self.tokenizer = tokenizer
         # max_tokens of a request that sets none (None: each endpoint's own default).
         self.max_tokens_default = max_tokens_default
+        # Every --served-model-name; responses carry the first (model_name).
+        self.model_names = list(getattr(engine.engine, "served_model_names", [self.model_name]))
+        self.log_requests = False
+        self.sampling_defaults: dict[str, Any] = {}
+
+    def configure(self, log_requests: bool, sampling_defaults: dict[str, Any]) -> None:
+        """--enable-log-requests, and --generation-config's defaults (a request's own values
+        win; its max_tokens default applies where the endpoint has none of its own)."""
+        self.log_requests = log_requests
+        self.sampling_defaults = dict(sampling_defaults)
+        if self.max_tokens_default is None and "max_tokens" in self.sampling_defaults:
+            self.max_tokens_default = int(self.sampling_defaults["max_tokens"])
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model not in self.model_names:
             raise OpenAIError(
                 f"The model `{model}` does not exist.", 404, param="model", code="model_not_found"
             )
@@ -142,6 +156,9 @@ class OpenAIServing:
             "top_k": request.top_k,
             "min_p": request.min_p,
         }
+        for name, value in self.sampling_defaults.items():
+            if name in set_values and set_values[name] is None:
+                set_values[name] = value
         if structured_outputs is None:
             structured_outputs = structured_outputs_of(request)
         try:
@@ -183,6 +200,9 @@ class OpenAIServing:
         capped to the room the context leaves each prompt instead of failing the request.
         """
         streams: list[RequestStream] = []
+        if self.log_requests:
+            logger.info("Received request %s: %s prompt tokens, params: %s", request_id,
+                        "+".join(str(len(p)) for p in prompts), params)
         try:
             for i, prompt in enumerate(prompts):
                 prompt_params = params
