@@ -133,7 +133,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig | None = None) -> Fas
     @keyed.get("/v1/models", responses=_documented(*key))
     async def list_models() -> ModelList:
         return ModelList(data=[ModelCard(id=name, max_model_len=engine.max_model_len)
-                               for name in engine.engine.served_model_names])
+                               for name in vllm_routes.served_names(engine)])
 
     @keyed.post("/v1/completions", response_model=None,
                 responses=_documented(400, *key, 404, 413, ok=CompletionResponse, stream=True))

@@ -14,6 +14,11 @@ _NOT_FOUND = {404: {"model": ErrorResponse, "description": "Unknown model (code 
                     "`model_not_found`) / a model without a tokenizer"}}
 
 
+def served_names(engine: AsyncLLMEngine) -> list[str]:
+    """Every --served-model-name (the first is the one responses carry)."""
+    return list(getattr(engine.engine, "served_model_names", [engine.model_name]))
+
+
 def build_router(engine: AsyncLLMEngine, check_api_key: Any, keyed: bool) -> APIRouter:
     """The routes; `check_api_key` guards the two that describe the model (`keyed`: a key is
     set, so they document their 401)."""
@@ -29,14 +34,16 @@ def build_router(engine: AsyncLLMEngine, check_api_key: Any, keyed: bool) -> API
 
         return {"version": __version__}
 
-    @router.api_route("/ping", methods=["GET", "POST"])
     async def ping() -> dict[str, str]:
         # The socket listens only once the model is loaded (as /health).
         return {"status": "ok"}
 
+    router.add_api_route("/ping", ping, methods=["GET"], operation_id="ping_get")
+    router.add_api_route("/ping", ping, methods=["POST"], operation_id="ping_post")
+
     @router.get("/v1/models/{model_id:path}", dependencies=auth, responses=documented)
     async def retrieve_model(model_id: str) -> ModelCard:
-        if model_id not in engine.engine.served_model_names:
+        if model_id not in served_names(engine):
             raise OpenAIError(f"The model `{model_id}` does not exist.", 404, param="model",
                               code="model_not_found")
         return ModelCard(id=model_id, max_model_len=engine.max_model_len)
