@@ -143,3 +143,19 @@ def test_thinking_budget_and_template_kwargs_errors(client):
         client.chat.completions.create(
             model="alpha", messages=QUESTION, max_tokens=2,
             extra_body={"chat_template_kwargs": {"add_generation_prompt": False}})
+
+
+def test_tool_call_after_thinking(client):
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a city",
+        "parameters": {"type": "object", "required": ["city"],
+                       "properties": {"city": {"type": "string", "maxLength": 20}}}}}]
+    response = client.chat.completions.create(
+        model="alpha", messages=[{"role": "user", "content": "The weather in Paris?"}],
+        tools=tools, tool_choice="required", max_tokens=60, temperature=0,
+        extra_body=bounded(8))
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.reasoning_content
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert isinstance(json.loads(call.function.arguments)["city"], str)

@@ -191,3 +191,39 @@ def test_thinking_grammar_puts_the_constraint_after_the_thinking():
     assert constrain_after_thinking(schema, "closed", 5) is schema
     bounded = constrain_after_thinking(schema, "open", 5, 3)
     assert "max_tokens=8" in bounded.compiled and bounded.json == schema.json
+
+
+def test_generation_defaults_fill_only_what_a_request_leaves_out():
+    """--generation-config's defaults reach the engine's SamplingParams, in process."""
+    import asyncio
+
+    import httpx
+
+    from pagedllm.engine.async_engine import AsyncLLMEngine
+    from pagedllm.entrypoints.openai.api_server import ServerConfig, build_app
+    from tests.test_server_async_engine import ScriptedEngine
+
+    class Recording(ScriptedEngine):
+        seen: list = []
+
+        def add_request(self, request_id, prompt, params, arrival_time=None) -> None:
+            self.seen.append(params)
+            super().add_request(request_id, prompt, params, arrival_time)
+
+    async def main():
+        engine = Recording()
+        aengine = AsyncLLMEngine(engine)
+        defaults = {"temperature": 0.25, "top_k": 7, "max_tokens": 3}
+        app = build_app(aengine, ServerConfig(sampling_defaults=defaults))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://test") as c:
+            r = (await c.post("/v1/completions", json={"prompt": [1, 2]})).json()
+            assert r["usage"]["completion_tokens"] == 3  # the model's max_new_tokens
+            await c.post("/v1/completions", json={"prompt": [1, 2], "temperature": 0.9,
+                                                  "max_tokens": 2})
+        await aengine.shutdown()
+        return engine.seen
+
+    first, second = asyncio.run(main())
+    assert (first.temperature, first.top_k, first.max_tokens) == (0.25, 7, 3)
+    assert (second.temperature, second.top_k, second.max_tokens) == (0.9, 7, 2)

@@ -103,7 +103,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig | None = None) -> Fas
     chat = OpenAIServingChat(engine, tokenizer, config.max_tokens_default)
     for serving in (completion, chat):
         serving.configure(config.log_requests, config.sampling_defaults)
-    chat.reasoning_parser = config.reasoning_parser
+        serving.reasoning_parser = config.reasoning_parser
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -43,11 +43,8 @@ from pagedllm.entrypoints.openai.tool_calls import (
     tool_dicts,
     with_tools_prompt,
 )
-from pagedllm.entrypoints.reasoning import (
-    THINK_END, ReasoningSplitter, ThinkingMode, constrain_after_thinking, split_reasoning,
-    thinking_mode,
-)
-from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedllm.entrypoints.reasoning import ReasoningSplitter, ThinkingMode, split_reasoning
+from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.entrypoints.openai.serving_engine import (
     SSE_DONE,
     SSEResponse,
@@ -167,8 +164,6 @@ def tool_finish_reason(o: Any, calls: list[ParsedCall]) -> str | None:
 
 
 class OpenAIServingChat(OpenAIServing):
-    reasoning_parser: str | None = None  # --reasoning-parser (qwen3 | deepseek_r1)
-
     async def render_prompt(
         self, messages: list[ChatMessage], add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
@@ -233,7 +228,7 @@ class OpenAIServingChat(OpenAIServing):
         )
         prompt = await self.render_prompt(request.messages, request.add_generation_prompt,
                                           plan.tools or None, request.chat_template_kwargs)
-        mode = self._thinking(prompt, params, request.thinking_token_budget)
+        mode = self.reasoning_mode(prompt, params, request.thinking_token_budget)
         request_id = random_id("chatcmpl")
         streams = await self.add_requests([prompt], params, request_id,
                                           server_default=server_default)
@@ -267,26 +262,6 @@ class OpenAIServingChat(OpenAIServing):
         return ChatCompletionResponse(
             id=request_id, model=self.model_name, choices=choices, usage=usage
         )
-
-    def _thinking(self, prompt: list[int], params: SamplingParams,
-                  budget: int | None) -> ThinkingMode | None:
-        """With --reasoning-parser: where the output starts (read from the prompt's end), and
-        the request's grammar moved after the thinking (bounded by thinking_token_budget)."""
-        if self.reasoning_parser is None:
-            if budget is not None:
-                raise OpenAIError("thinking_token_budget needs a server started with "
-                                  "--reasoning-parser", param="thinking_token_budget")
-            return None
-        tokenizer = self.tokenizer.tokenizer
-        mode = thinking_mode(self.reasoning_parser,
-                             tokenizer.decode(prompt[-32:], skip_special_tokens=False))
-        end_tag_tokens = len(tokenizer.encode(THINK_END, add_special_tokens=False))
-        try:
-            params.structured_outputs = constrain_after_thinking(
-                params.structured_outputs, mode, budget, end_tag_tokens)
-        except ValueError as exc:
-            raise OpenAIError(str(exc)) from None
-        return mode
 
     async def _stream(
         self, request: ChatCompletionRequest, request_id: str, streams: list[RequestStream],

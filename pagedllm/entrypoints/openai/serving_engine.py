@@ -15,6 +15,9 @@ from pydantic import BaseModel
 from pagedllm.engine.async_engine import AsyncLLMEngine, RequestStream
 from pagedllm.outputs import Logprob
 from pagedllm.entrypoints.openai.protocol import SamplingFields
+from pagedllm.entrypoints.reasoning import (
+    THINK_END, ThinkingMode, constrain_after_thinking, thinking_mode,
+)
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -119,6 +122,7 @@ class OpenAIServing:
         self.model_names = list(getattr(engine.engine, "served_model_names", [self.model_name]))
         self.log_requests = False
         self.sampling_defaults: dict[str, Any] = {}
+        self.reasoning_parser: str | None = None  # --reasoning-parser (qwen3 | deepseek_r1)
 
     def configure(self, log_requests: bool, sampling_defaults: dict[str, Any]) -> None:
         """--enable-log-requests, and --generation-config's defaults (a request's own values
@@ -127,6 +131,27 @@ class OpenAIServing:
         self.sampling_defaults = dict(sampling_defaults)
         if self.max_tokens_default is None and "max_tokens" in self.sampling_defaults:
             self.max_tokens_default = int(self.sampling_defaults["max_tokens"])
+
+    def reasoning_mode(self, prompt: list[int], params: SamplingParams,
+                       budget: int | None) -> ThinkingMode | None:
+        """With --reasoning-parser: where the output starts (read from the prompt's end), and
+        the request's grammar moved after the thinking (bounded by thinking_token_budget);
+        None without. Split the output with reasoning.split_reasoning / ReasoningSplitter."""
+        if self.reasoning_parser is None:
+            if budget is not None:
+                raise OpenAIError("thinking_token_budget needs a server started with "
+                                  "--reasoning-parser", param="thinking_token_budget")
+            return None
+        tokenizer = self.tokenizer.tokenizer
+        mode = thinking_mode(self.reasoning_parser,
+                             tokenizer.decode(prompt[-32:], skip_special_tokens=False))
+        end_tag_tokens = len(tokenizer.encode(THINK_END, add_special_tokens=False))
+        try:
+            params.structured_outputs = constrain_after_thinking(
+                params.structured_outputs, mode, budget, end_tag_tokens)
+        except ValueError as exc:
+            raise OpenAIError(str(exc)) from None
+        return mode
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_names:
