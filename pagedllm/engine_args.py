@@ -85,7 +85,8 @@ class EngineArgs:
     enable_prefix_caching: bool = option(True, "reuse the KV of prompt prefixes already computed")
     max_num_seqs: int = option(256, "most sequences in one step")
     max_num_batched_tokens: int | None = option(
-        None, "most tokens in one step (default: 2048 on the CPU, 8192 on CUDA)")
+        None, "most tokens in one step, e.g. 4096 or 4k (default: 2048 on the CPU, 8192 on "
+        "CUDA)", parse=human_readable_int)
     max_model_len: int | None = option(
         None, "context length, e.g. 4096, 32k (32000) or 32K (32768) (default: the model's)",
         parse=human_readable_int)

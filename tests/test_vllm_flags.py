@@ -52,6 +52,7 @@ def test_tp_dtype_and_max_model_len_forms():
     for text, value in [("32k", 32_000), ("32K", 32_768), ("1.5k", 1_500), ("2m", 2_000_000),
                         ("1M", 1 << 20), ("4096", 4096)]:
         assert engine_args("--max-model-len", text).max_model_len == value
+        assert engine_args("--max-num-batched-tokens", text).max_num_batched_tokens == value
         assert human_readable_int(text) == value
 
 
