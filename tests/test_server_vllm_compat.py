@@ -150,12 +150,23 @@ def test_tool_call_after_thinking(client):
         "name": "get_weather", "description": "The weather in a city",
         "parameters": {"type": "object", "required": ["city"],
                        "properties": {"city": {"type": "string", "maxLength": 20}}}}}]
-    response = client.chat.completions.create(
-        model="alpha", messages=[{"role": "user", "content": "The weather in Paris?"}],
-        tools=tools, tool_choice="required", max_tokens=60, temperature=0,
-        extra_body=bounded(8))
-    choice = response.choices[0]
+    kwargs = dict(model="alpha", messages=[{"role": "user", "content": "The weather in Paris?"}],
+                  tools=tools, tool_choice="required", max_tokens=60, temperature=0,
+                  extra_body=bounded(8))
+    choice = client.chat.completions.create(**kwargs).choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.reasoning_content
     (call,) = choice.message.tool_calls
     assert call.function.name == "get_weather"
     assert isinstance(json.loads(call.function.arguments)["city"], str)
+    # Streamed: the thinking as reasoning deltas, then the call, no text content.
+    reasoning, calls, content, reasons = [], [], [], []
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        delta = chunk.choices[0].delta
+        reasoning.append(getattr(delta, "reasoning_content", None) or "")
+        content.append(delta.content or "")
+        calls += delta.tool_calls or []
+        reasons.append(chunk.choices[0].finish_reason)
+    assert "".join(reasoning) == choice.message.reasoning_content and not "".join(content)
+    assert [(c.function.name, c.function.arguments) for c in calls] == [
+        (call.function.name, call.function.arguments)]
+    assert reasons[-1] == "tool_calls"

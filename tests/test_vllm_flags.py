@@ -228,3 +228,14 @@ def test_generation_defaults_fill_only_what_a_request_leaves_out():
     first, second = asyncio.run(main())
     assert (first.temperature, first.top_k, first.max_tokens) == (0.25, 7, 3)
     assert (second.temperature, second.top_k, second.max_tokens) == (0.9, 7, 2)
+
+
+@pytest.mark.slow
+def test_generate_with_an_inline_chat_template():
+    """--chat-template replaces the model's: this one ignores the messages altogether."""
+    from tests.test_cli import SMALL_ENGINE, pagedllm
+
+    result = pagedllm("generate", "Say nothing.", "--max-tokens", "3", "--chat-template",
+                      "{{ 'The capital of France is' }}", *SMALL_ENGINE)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().startswith("Paris")
