@@ -158,6 +158,18 @@ class ToolPlan:
         return content, calls
 
 
+def split_delta(splitter: ReasoningSplitter | None, text: str,
+                finished: bool) -> tuple[str, str]:
+    """(reasoning, content) of one streamed delta; all content without a splitter."""
+    if splitter is None:
+        return "", text
+    thought, text = splitter.feed(text)
+    if finished:
+        more_thought, more_text = splitter.finish()
+        thought, text = thought + more_thought, text + more_text
+    return thought, text
+
+
 def tool_finish_reason(o: Any, calls: list[ParsedCall]) -> str | None:
     reason = finish_reason(o)
     return "tool_calls" if calls and reason == "stop" else reason
@@ -309,12 +321,8 @@ class OpenAIServingChat(OpenAIServing):
                         )
                     sent_tokens[j] += len(delta_ids)
                     reason = finish_reason(o) if o.finished() else None
-                    thought = ""
-                    if splitters is not None:
-                        thought, delta_text = splitters[j].feed(delta_text)
-                        if o.finished():
-                            more_thought, more_text = splitters[j].finish()
-                            thought, delta_text = thought + more_thought, delta_text + more_text
+                    thought, delta_text = split_delta(
+                        splitters[j] if splitters else None, delta_text, o.finished())
                     if filters is not None:
                         delta_text = filters[j].feed(delta_text)
                         if o.finished():
