@@ -29,8 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0: any free)")
     serve.add_argument("--api-key", default=None,
                        help="require `Authorization: Bearer KEY` on every route that touches "
-                       "the model (/v1/*, /tokenize, /detokenize); /health and /metrics stay "
-                       "open")
+                       "the model (/v1/*, /tokenize, /detokenize, /tokenizer_info); /health, "
+                       "/ping, /version and /metrics stay open")
     serve.add_argument("--metrics-need-key", action="store_true",
                        help="put /metrics behind --api-key too")
     serve.add_argument("--max-request-bytes", type=int, default=8 << 20,
