@@ -8,6 +8,7 @@ option is written twice.
 from __future__ import annotations
 
 import argparse
+import re
 import types
 import typing
 from dataclasses import MISSING, dataclass, field, fields
@@ -18,9 +19,39 @@ from pagedllm.config import (
 )
 
 
-def option(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
-    """A field of EngineArgs with what its CLI flag shows."""
-    return field(default=default, metadata={"help": help, "choices": choices})
+def option(default: Any, help: str, choices: tuple[str, ...] | None = None,
+           aliases: tuple[str, ...] = (), parse: Any = None, nargs: str | None = None) -> Any:
+    """A field of EngineArgs with what its CLI flag shows: `aliases` (vLLM's short flags),
+    `parse` (the flag's own type function), `nargs` (a flag that takes several values)."""
+    return field(default=default, metadata={"help": help, "choices": choices,
+                                            "aliases": aliases, "parse": parse, "nargs": nargs})
+
+
+# vLLM's other names of dtypes (torch's): --dtype half is float16, float is float32.
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+
+
+def human_readable_int(value: str) -> int:
+    """An integer as vLLM reads --max-model-len: "32k" is 32000 and "1.5m" 1500000 (k, m, g,
+    t: powers of 1000), "32K" is 32768 (K, M, G, T: powers of 1024, whole numbers only)."""
+    text = value.strip()
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT])", text)
+    if match is None:
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"invalid integer {value!r} (a number, or one with a suffix: 32k = 32000, "
+                f"32K = 32768)") from None
+    number, suffix = match.groups()
+    power = "kmgt".index(suffix.lower()) + 1
+    if suffix.islower():
+        return int(float(number) * 1000 ** power)
+    if "." in number:
+        raise argparse.ArgumentTypeError(
+            f"invalid integer {value!r}: a binary suffix ({suffix}) takes a whole number; "
+            f"did you mean {number}{suffix.lower()}?")
+    return int(number) * 1024 ** power
 
 
 @dataclass
@@ -30,10 +61,12 @@ class EngineArgs:
         "(default: SmolLM2-135M-Instruct)")
     tokenizer: str | None = option(None, "tokenizer directory or hub id (default: the model's)")
     load_format: str = option("auto", "how to read --model", LOAD_FORMATS)
-    served_model_name: str | None = option(
-        None, "the model name the server answers to (default: from the model)")
+    served_model_name: str | list[str] | None = option(
+        None, "the model names the server answers to, the first in its responses (default: "
+        "from the model)", nargs="+")
     dtype: str = option("auto", "weights and activations; auto: float32 on the CPU, "
-                        "bfloat16 on CUDA", DTYPES)
+                        "bfloat16 on CUDA; half: float16, float: float32",
+                        (*DTYPES, *DTYPE_ALIASES))
     quantization: str | None = option(
         None, "gguf: keep a GGUF file's quantized blocks on the CPU (the default for GGUF "
         "files on the CPU with --dtype auto; --dtype float32 dequantizes them); fp8: FP8 "
@@ -43,7 +76,7 @@ class EngineArgs:
         None, 'layers per device, e.g. "cuda:0:20,cpu:10", or "auto" (by free memory)')
     tensor_parallel_size: int = option(
         1, "ranks to split the model over (Megatron-style): one GPU each on CUDA, one process "
-        "each on the CPU; under torchrun, the world size")
+        "each on the CPU; under torchrun, the world size", aliases=("-tp",))
     distributed_timeout: float = option(
         120.0, "seconds a collective between tensor-parallel ranks may wait before the step "
         "fails naming the rank")
@@ -52,8 +85,11 @@ class EngineArgs:
     enable_prefix_caching: bool = option(True, "reuse the KV of prompt prefixes already computed")
     max_num_seqs: int = option(256, "most sequences in one step")
     max_num_batched_tokens: int | None = option(
-        None, "most tokens in one step (default: 2048 on the CPU, 8192 on CUDA)")
-    max_model_len: int | None = option(None, "context length (default: the model's)")
+        None, "most tokens in one step, e.g. 4096 or 4k (default: 2048 on the CPU, 8192 on "
+        "CUDA)", parse=human_readable_int)
+    max_model_len: int | None = option(
+        None, "context length, e.g. 4096, 32k (32000) or 32K (32768) (default: the model's)",
+        parse=human_readable_int)
     enable_chunked_prefill: bool = option(
         True, "split prompts longer than the step's token budget over several steps")
     preemption_mode: str = option(
@@ -84,6 +120,13 @@ class EngineArgs:
         '"model": PATH, "num_speculative_tokens": 4}; optional "disable_by_batch_size": N')
 
     def __post_init__(self) -> None:
+        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
+        if isinstance(self.served_model_name, (list, tuple)):
+            names = list(self.served_model_name)
+            if not names or not all(isinstance(n, str) and n for n in names):
+                raise ValueError(f"served_model_name must be a name or a non-empty list of "
+                                 f"names, got {self.served_model_name!r}")
+            self.served_model_name = names[0] if len(names) == 1 else names
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.quantization not in (None, *QUANTIZATIONS):
@@ -136,11 +179,13 @@ class EngineArgs:
                 if f.default is not None:  # None: the help says what it depends on
                     kwargs["help"] += f" (default: {'on' if f.default else 'off'})"
             else:
-                kwargs["type"] = kind
+                kwargs["type"] = f.metadata["parse"] or kind
                 kwargs["choices"] = f.metadata["choices"]
+                if f.metadata["nargs"]:
+                    kwargs["nargs"] = f.metadata["nargs"]
                 if f.default is not None:
                     kwargs["help"] += f" (default: {f.default})"
-            group.add_argument(flag, **kwargs)
+            group.add_argument(*f.metadata["aliases"], flag, **kwargs)
         return parser
 
     @classmethod
@@ -148,6 +193,13 @@ class EngineArgs:
         kwargs: dict[str, Any] = {f.name: getattr(args, f.name) for f in fields(cls)
                                   if hasattr(args, f.name)}
         return cls(**kwargs)
+
+    def served_model_names(self) -> list[str]:
+        """The names the server answers to ([] when none was given: the model's own)."""
+        names = self.served_model_name
+        if names is None:
+            return []
+        return [names] if isinstance(names, str) else list(names)
 
 
 def _cli_type(annotation: Any) -> type:

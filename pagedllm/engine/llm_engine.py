@@ -142,7 +142,9 @@ class LLMEngine:
         weakref.finalize(self, _unfreeze_heap)
         self.model_config = self.worker.model_config
         self.tokenizer = self.worker.tokenizer
-        self.model_name = args.served_model_name or self.worker.source_name
+        # The names the server answers to; the first is the one its responses carry.
+        self.served_model_names = args.served_model_names() or [self.worker.source_name]
+        self.model_name = self.served_model_names[0]
         self.max_model_len = self.worker.max_model_len
         self.block_size = args.block_size
         self.cache_config = CacheConfig(

@@ -12,6 +12,7 @@ import sys
 import time
 
 from pagedllm.entrypoints.usage import EXIT_USAGE, Parser, UsageError
+from pagedllm.entrypoints import vllm_flags
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,12 +24,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
                            description="Serve the model over an OpenAI-compatible HTTP API.")
+    vllm_flags.add_model_arg(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0: any free)")
     serve.add_argument("--api-key", default=None,
                        help="require `Authorization: Bearer KEY` on every route that touches "
-                       "the model (/v1/*, /tokenize, /detokenize); /health and /metrics stay "
-                       "open")
+                       "the model (/v1/*, /tokenize, /detokenize, /tokenizer_info); /health, "
+                       "/ping, /version and /metrics stay open")
     serve.add_argument("--metrics-need-key", action="store_true",
                        help="put /metrics behind --api-key too")
     serve.add_argument("--max-request-bytes", type=int, default=8 << 20,
@@ -36,8 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-tokens-default", type=int, default=None,
                        help="max_tokens of a request that sets none (default: 16 for "
                        "/v1/completions as OpenAI, the rest of the context for chat as vLLM)")
-    serve.add_argument("--log-level", default="warning",
-                       choices=["critical", "error", "warning", "info", "debug"])
+    serve.add_argument("--log-level", "--uvicorn-log-level", default="warning",
+                       choices=["critical", "error", "warning", "info", "debug", "trace"],
+                       help="the HTTP server's (uvicorn's) log level (default: warning)")
+    vllm_flags.add_serve_args(serve)
     EngineArgs.add_cli_args(serve)
 
     gen = sub.add_parser("generate", help="answer one prompt and stream it to stdout",
@@ -46,12 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true",
                      help="send the prompt as is, without the model's chat template")
     _add_sampling_args(gen)
+    vllm_flags.add_template_args(gen)
     EngineArgs.add_cli_args(gen)
 
     chat = sub.add_parser("chat", help="interactive chat in the terminal (reads stdin)",
                           description="Chat with the model: one message per line on stdin; "
                           "/exit or end of input quits.")
     _add_sampling_args(chat)
+    vllm_flags.add_template_args(chat)
     EngineArgs.add_cli_args(chat)
 
     from pagedllm.benchmarks import WORKLOAD_HELP
@@ -66,7 +72,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("workload", metavar="WORKLOAD", help="one of the workloads above")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="options of the workload")
+    parser.set_defaults(commands={"serve": serve, "generate": gen, "chat": chat, "bench": bench})
     return parser
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command's options; an unknown flag is an error naming the closest known one."""
+    args, extras = build_parser().parse_known_args(argv)
+    if extras:
+        raise vllm_flags.unknown_option(args.commands[args.command], extras)
+    vllm_flags.resolve_model(args)
+    return args
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -84,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         # `bench WORKLOAD ...`: the workload parses its own options (and its own --help).
         if len(argv) >= 2 and argv[0] == "bench" and not argv[1].startswith("-"):
             return run_bench(argv[1], argv[2:])
-        args = build_parser().parse_args(argv)
+        args = parse_args(argv)
         if args.command == "serve":
             return run_serve(args)
         if args.command == "generate":
@@ -120,6 +136,9 @@ def load_engine(args: argparse.Namespace):
     except (ValueError, OSError) as exc:  # ModelLoadError is a ValueError
         raise UsageError(str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)) \
             from None
+    template = vllm_flags.load_chat_template(getattr(args, "chat_template", None))
+    if template is not None and engine.tokenizer is not None:
+        engine.tokenizer.chat_template = template
     stats = engine.get_stats()
     print(
         f"Loaded {engine.model_name} in {time.perf_counter() - start:.1f} s "
@@ -156,6 +175,8 @@ def run_serve(args: argparse.Namespace) -> int:
         raise UsageError(f"--max-tokens-default must be at least 1, got {args.max_tokens_default}")
     if args.metrics_need_key and args.api_key is None:
         raise UsageError("--metrics-need-key needs --api-key")
+    vllm_flags.check_serve_args(args)
+    vllm_flags.load_chat_template(args.chat_template)  # a missing file fails before loading
     torchrun = torchrun_env()
     if torchrun is not None and torchrun[1] != 0:
         load_engine(args)  # a torchrun rank other than 0 serves rank 0's steps, exits there
@@ -172,7 +193,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
     config = ServerConfig(api_key=args.api_key, metrics_need_key=args.metrics_need_key,
                           max_request_bytes=args.max_request_bytes,
-                          max_tokens_default=args.max_tokens_default)
+                          max_tokens_default=args.max_tokens_default,
+                          log_requests=args.log_requests,
+                          reasoning_parser=args.reasoning_parser,
+                          sampling_defaults=vllm_flags.sampling_defaults(args, engine.engine))
     asyncio.run(serve(engine, sock, config, announce, args.log_level))
     if engine.fatal_error is not None:
         print(f"error: the engine failed: {engine.fatal_error}", file=sys.stderr)

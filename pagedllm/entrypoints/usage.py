@@ -13,5 +13,11 @@ class UsageError(Exception):
 
 
 class Parser(argparse.ArgumentParser):
+    """No abbreviated flags (as vLLM): `--max-model` is an error, not --max-model-len."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{message} (see `{self.prog} --help`)")

@@ -90,6 +90,7 @@ class Worker:
     def __init__(self, args: EngineArgs) -> None:
         source = load_model_source(args.model, args.load_format, args.tokenizer)
         self.source_name = source.name
+        self.source_path = source.path  # its own generation defaults are read from it
         self.model_config = config = source.config
         self.tokenizer = source.tokenizer
         device = resolve_device(args.device)

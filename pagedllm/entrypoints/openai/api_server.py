@@ -11,7 +11,7 @@ import logging
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -41,6 +41,7 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from pagedllm.entrypoints.openai import vllm_routes
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_engine import OpenAIError, PromptTokenizer, SSEResponse
@@ -56,6 +57,10 @@ class ServerConfig:
     metrics_need_key: bool = False  # /metrics behind the key too
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     max_tokens_default: int | None = None  # max_tokens of requests that set none
+    log_requests: bool = False  # one log line per request (--enable-log-requests)
+    reasoning_parser: str | None = None  # qwen3 | deepseek_r1: <think> text apart
+    # Sampling values of requests that leave them unset (--generation-config).
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
 
 _ERRORS = {
@@ -96,6 +101,9 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig | None = None) -> Fas
     tokenizer = PromptTokenizer(engine.tokenizer, engine.max_model_len)
     completion = OpenAIServingCompletion(engine, tokenizer, config.max_tokens_default)
     chat = OpenAIServingChat(engine, tokenizer, config.max_tokens_default)
+    for serving in (completion, chat):
+        serving.configure(config.log_requests, config.sampling_defaults)
+        serving.reasoning_parser = config.reasoning_parser
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -124,7 +132,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig | None = None) -> Fas
 
     @keyed.get("/v1/models", responses=_documented(*key))
     async def list_models() -> ModelList:
-        return ModelList(data=[ModelCard(id=engine.model_name, max_model_len=engine.max_model_len)])
+        return ModelList(data=[ModelCard(id=name, max_model_len=engine.max_model_len)
+                               for name in vllm_routes.served_names(engine)])
 
     @keyed.post("/v1/completions", response_model=None,
                 responses=_documented(400, *key, 404, 413, ok=CompletionResponse, stream=True))
@@ -162,6 +171,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig | None = None) -> Fas
         return DetokenizeResponse(prompt=await tokenizer.decode(body.tokens))
 
     app.include_router(keyed)
+    app.include_router(vllm_routes.build_router(engine, check_api_key, api_key is not None))
 
     @app.get("/health")
     async def health() -> HealthResponse:

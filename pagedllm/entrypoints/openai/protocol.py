@@ -349,6 +349,10 @@ class ChatCompletionRequest(SamplingFields):
     # (needs add_generation_prompt false); the prompt's logprobs (top N) in the response.
     continue_final_message: bool = False
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's: extra variables of the chat template (e.g. {"enable_thinking": false}).
+    chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: most tokens of thinking (with --reasoning-parser); then </think> is forced.
+    thinking_token_budget: int | None = Field(None, ge=0)
 
 
 class PromptLogprob(OpenAIBaseModel):
@@ -384,8 +388,14 @@ class ToolCallOut(OpenAIBaseModel):
     function: FunctionCallOut
 
 
+def _absent(value: Any) -> bool:
+    return value is None
+
+
 class ChatResponseMessage(OpenAIBaseModel):
     role: str = "assistant"
+    # The thinking, with --reasoning-parser (absent otherwise).
+    reasoning_content: str | None = Field(None, exclude_if=_absent)
     content: str | None = None
     tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
@@ -427,6 +437,7 @@ class DeltaToolCall(OpenAIBaseModel):
 
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
+    reasoning_content: str | None = Field(None, exclude_if=_absent)
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 

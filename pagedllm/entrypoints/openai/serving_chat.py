@@ -33,6 +33,7 @@ from pagedllm.entrypoints.openai.protocol import (
     now,
     random_id,
 )
+from pagedllm.entrypoints.chat_utils import _RESERVED_TEMPLATE_KWARGS as RESERVED_TEMPLATE_KWARGS
 from pagedllm.entrypoints.openai.serving_completion import finish_reason
 from pagedllm.entrypoints.openai.tool_calls import (
     ParsedCall,
@@ -43,6 +44,7 @@ from pagedllm.entrypoints.openai.tool_calls import (
     tool_dicts,
     with_tools_prompt,
 )
+from pagedllm.entrypoints.reasoning import ReasoningSplitter, ThinkingMode, split_reasoning
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.entrypoints.openai.serving_engine import (
     SSE_DONE,
@@ -177,6 +179,18 @@ def check_prefill(request: ChatCompletionRequest) -> None:
                           param="prompt_logprobs")
 
 
+def split_delta(splitter: ReasoningSplitter | None, text: str,
+                finished: bool) -> tuple[str, str]:
+    """(reasoning, content) of one streamed delta; all content without a splitter."""
+    if splitter is None:
+        return "", text
+    thought, text = splitter.feed(text)
+    if finished:
+        more_thought, more_text = splitter.finish()
+        thought, text = thought + more_thought, text + more_text
+    return thought, text
+
+
 def tool_finish_reason(o: Any, calls: list[ParsedCall]) -> str | None:
     reason = finish_reason(o)
     return "tool_calls" if calls and reason == "stop" else reason
@@ -186,6 +200,7 @@ class OpenAIServingChat(OpenAIServing):
     async def render_prompt(
         self, messages: list[ChatMessage], add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """The conversation through the chat template, as token ids (the template already
         wrote the special tokens, so none are added), exactly as LLM.chat does. On the
@@ -200,12 +215,20 @@ class OpenAIServingChat(OpenAIServing):
         if tools and not template_tools:
             dicts = with_tools_prompt(dicts, tools)
 
+        kwargs = dict(template_kwargs or {})
+        reserved = sorted(set(kwargs) & set(RESERVED_TEMPLATE_KWARGS))
+        if reserved:
+            raise OpenAIError(f"chat_template_kwargs cannot set {', '.join(reserved)}",
+                              param="chat_template_kwargs")
+
         def render() -> str:
-            if template_tools or continue_final_message:
+            if template_tools or kwargs or continue_final_message:
+                if not getattr(tokenizer, "chat_template", None):
+                    raise ValueError("this model has no chat template")
                 return tokenizer.apply_chat_template(
                     dicts, tools=tools if template_tools else None, tokenize=False,
                     add_generation_prompt=add_generation_prompt,
-                    continue_final_message=continue_final_message)
+                    continue_final_message=continue_final_message, **kwargs)
             return engine.apply_chat_template(dicts, add_generation_prompt)
 
         try:
@@ -241,19 +264,25 @@ class OpenAIServingChat(OpenAIServing):
         )
         await self.check_grammar(params, "tools" if plan.structured else constraint_field(request))
         prompt = await self.render_prompt(request.messages, request.add_generation_prompt,
-                                          plan.tools or None, request.continue_final_message)
+                                          plan.tools or None, request.continue_final_message,
+                                          request.chat_template_kwargs)
+        mode = self.reasoning_mode(prompt, params, request.thinking_token_budget)
         request_id = random_id("chatcmpl")
         streams = await self.add_requests([prompt], params, request_id,
                                           server_default=server_default)
         if request.stream:
-            return SSEResponse(self._stream(request, request_id, streams, plan), streams)
+            return SSEResponse(self._stream(request, request_id, streams, plan, mode), streams)
         (out,) = await final_outputs(streams)
         choices = []
         for j, o in enumerate(out.outputs):
-            content, calls = plan.parse(o.text)
+            reasoning, text = split_reasoning(o.text, mode) if mode else (None, o.text)
+            content, calls = plan.parse(text or "")
+            if mode is not None:  # as vLLM: no answer after the thinking is a null content
+                content = content or None
             choices.append(ChatCompletionChoice(
                 index=j,
-                message=ChatResponseMessage(content=content, tool_calls=[
+                message=ChatResponseMessage(reasoning_content=reasoning, content=content,
+                                            tool_calls=[
                     ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name,
                                                                   arguments=c.arguments))
                     for c in calls]),
@@ -282,7 +311,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _stream(
         self, request: ChatCompletionRequest, request_id: str, streams: list[RequestStream],
-        plan: ToolPlan,
+        plan: ToolPlan, mode: ThinkingMode | None = None,
     ) -> AsyncIterator[str]:
         created = now()
         (stream,) = streams
@@ -294,6 +323,8 @@ class OpenAIServingChat(OpenAIServing):
         if filters and plan.structured is not None:  # the whole output is calls
             for f in filters:
                 f.in_call = True
+        # Reasoning: each choice's thinking goes to reasoning_content, the rest on as content.
+        splitters = [ReasoningSplitter(mode) for _ in range(request.n)] if mode else None
 
         def chunk(choices: list[ChatCompletionStreamChoice]) -> str:
             return sse(ChatCompletionStreamResponse(
@@ -324,6 +355,8 @@ class OpenAIServingChat(OpenAIServing):
                         )
                     sent_tokens[j] += len(delta_ids)
                     reason = finish_reason(o) if o.finished() else None
+                    thought, delta_text = split_delta(
+                        splitters[j] if splitters else None, delta_text, o.finished())
                     if filters is not None:
                         delta_text = filters[j].feed(delta_text)
                         if o.finished():
@@ -342,7 +375,8 @@ class OpenAIServingChat(OpenAIServing):
                         done.add(j)
                     yield chunk([ChatCompletionStreamChoice(
                         index=j,
-                        delta=DeltaMessage(content=delta_text) if delta_text else DeltaMessage(),
+                        delta=DeltaMessage(reasoning_content=thought or None,
+                                           content=delta_text or None),
                         logprobs=logprobs,
                         finish_reason=reason,
                         stop_reason=o.stop_reason if reason else None,

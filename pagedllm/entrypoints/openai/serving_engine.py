@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -16,11 +17,15 @@ from pagedllm.engine.async_engine import AsyncLLMEngine, RequestStream
 from pagedllm.engine.structured_output import new_matcher
 from pagedllm.outputs import Logprob
 from pagedllm.entrypoints.openai.protocol import SamplingFields
+from pagedllm.entrypoints.reasoning import (
+    THINK_END, ThinkingMode, constrain_after_thinking, thinking_mode,
+)
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 T = TypeVar("T")
 MAX_CHECKED_GRAMMARS = 256
+logger = logging.getLogger(__name__)
 
 
 class OpenAIError(Exception):
@@ -118,6 +123,11 @@ class OpenAIServing:
         self.max_tokens_default = max_tokens_default
         # Grammars that passed check_grammar (most recent last), so it runs once each.
         self._checked_grammars: OrderedDict[str, None] = OrderedDict()
+        # Every --served-model-name; responses carry the first (model_name).
+        self.model_names = list(getattr(engine.engine, "served_model_names", [self.model_name]))
+        self.log_requests = False
+        self.sampling_defaults: dict[str, Any] = {}
+        self.reasoning_parser: str | None = None  # --reasoning-parser (qwen3 | deepseek_r1)
 
     async def check_grammar(self, params: SamplingParams, param: str | None) -> None:
         """A 400 naming the field when the request's grammar fails against this tokenizer
@@ -136,8 +146,37 @@ class OpenAIServing:
         if len(self._checked_grammars) > MAX_CHECKED_GRAMMARS:
             self._checked_grammars.popitem(last=False)
 
+    def configure(self, log_requests: bool, sampling_defaults: dict[str, Any]) -> None:
+        """--enable-log-requests, and --generation-config's defaults (a request's own values
+        win; its max_tokens default applies where the endpoint has none of its own)."""
+        self.log_requests = log_requests
+        self.sampling_defaults = dict(sampling_defaults)
+        if self.max_tokens_default is None and "max_tokens" in self.sampling_defaults:
+            self.max_tokens_default = int(self.sampling_defaults["max_tokens"])
+
+    def reasoning_mode(self, prompt: list[int], params: SamplingParams,
+                       budget: int | None) -> ThinkingMode | None:
+        """With --reasoning-parser: where the output starts (read from the prompt's end), and
+        the request's grammar moved after the thinking (bounded by thinking_token_budget);
+        None without. Split the output with reasoning.split_reasoning / ReasoningSplitter."""
+        if self.reasoning_parser is None:
+            if budget is not None:
+                raise OpenAIError("thinking_token_budget needs a server started with "
+                                  "--reasoning-parser", param="thinking_token_budget")
+            return None
+        tokenizer = self.tokenizer.tokenizer
+        mode = thinking_mode(self.reasoning_parser,
+                             tokenizer.decode(prompt[-32:], skip_special_tokens=False))
+        end_tag_tokens = len(tokenizer.encode(THINK_END, add_special_tokens=False))
+        try:
+            params.structured_outputs = constrain_after_thinking(
+                params.structured_outputs, mode, budget, end_tag_tokens)
+        except ValueError as exc:
+            raise OpenAIError(str(exc)) from None
+        return mode
+
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model not in self.model_names:
             raise OpenAIError(
                 f"The model `{model}` does not exist.", 404, param="model", code="model_not_found"
             )
@@ -164,6 +203,9 @@ class OpenAIServing:
             "top_k": request.top_k,
             "min_p": request.min_p,
         }
+        for name, value in self.sampling_defaults.items():
+            if name in set_values and set_values[name] is None:
+                set_values[name] = value
         if structured_outputs is None:
             structured_outputs = structured_outputs_of(request)
         try:
@@ -205,6 +247,9 @@ class OpenAIServing:
         capped to the room the context leaves each prompt instead of failing the request.
         """
         streams: list[RequestStream] = []
+        if self.log_requests:
+            logger.info("Received request %s: %s prompt tokens, params: %s", request_id,
+                        "+".join(str(len(p)) for p in prompts), params)
         try:
             for i, prompt in enumerate(prompts):
                 prompt_params = params
