@@ -216,6 +216,11 @@ class AnthropicServingMessages:
         chat = chat_request(request)
         plan = ToolPlan(chat)
         prompt = await self.chat.render_prompt(chat.messages, True, plan.tools or None)
+        limit = self.chat.engine.max_model_len
+        if len(prompt) >= limit:  # as a create would say (no room for one new token)
+            raise OpenAIError(f"prompt is too long: {len(prompt)} tokens, but the model's "
+                              f"context is {limit} tokens (the prompt must leave room for one "
+                              "new token)")
         return CountTokensResponse(input_tokens=len(prompt))
 
     async def create_message(self, request: MessagesRequest) -> MessagesResponse | SSEResponse:
