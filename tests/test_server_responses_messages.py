@@ -378,3 +378,21 @@ def test_messages_need_the_key(server, model, path):
     with pytest.raises(anthropic.AuthenticationError):
         anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0).messages.create(
             **msg(model, "hi"))
+
+
+def test_response_store_keeps_the_last_ones():
+    from pagedllm.entrypoints.openai.protocol_responses import ResponseObject
+    from pagedllm.entrypoints.openai.serving_responses import ResponseStore, StoredResponse
+
+    store = ResponseStore(size=3)
+    for i in range(5):
+        store.put(StoredResponse(ResponseObject(id=f"resp_{i}", status="completed",
+                                                model="m"), []))
+    assert [store.get(f"resp_{i}") is not None for i in range(5)] == [False, False, True,
+                                                                       True, True]
+
+
+def test_retrieve_an_unknown_response(oai):
+    with pytest.raises(openai.NotFoundError) as info:
+        oai.responses.retrieve("resp_unknown")
+    assert info.value.body["code"] == "response_not_found"

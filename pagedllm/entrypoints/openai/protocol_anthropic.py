@@ -83,7 +83,7 @@ class OutputConfig(RequestModel):
 
 
 class CountTokensRequest(RequestBody):
-    model: str
+    model: str | None = None  # Anthropic requires it; here None means the served model
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
     tools: list[AnthropicTool] | None = None
