@@ -395,4 +395,4 @@ def test_response_store_keeps_the_last_ones():
 def test_retrieve_an_unknown_response(oai):
     with pytest.raises(openai.NotFoundError) as info:
         oai.responses.retrieve("resp_unknown")
-    assert info.value.body["code"] == "response_not_found"
+    assert info.value.status_code == 404 and info.value.code == "response_not_found"
