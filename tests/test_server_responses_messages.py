@@ -359,10 +359,19 @@ def test_messages_bad_input(server, model, path, case, message):
         assert error["error"]["message"] == message
 
 
-def test_messages_too_many_tokens_and_unknown_model(server, model):
+def test_messages_refusals(server, model):
     status, error = anthropic_post(server, "/v1/messages", {**msg(model, "hi"),
                                                             "max_tokens": 5000})
     assert status == 400 and "context of 1024 tokens" in error["error"]["message"]
+    prefill = msg(model, "hi")
+    prefill["messages"].append({"role": "assistant", "content": "{"})
+    status, error = anthropic_post(server, "/v1/messages", prefill)
+    assert status == 400 and error["error"]["message"] == (
+        "messages.1: a final assistant message (a prefill) is not supported; end the "
+        "conversation with a user message")
+    status, error = anthropic_post(server, "/v1/messages", {**msg(model, "hi"), "tools": [
+        {"name": "f", "input_schema": {}}], "tool_choice": {"type": "tool"}})
+    assert status == 400 and error["error"]["message"] == 'tool_choice of type "tool" needs a name'
     status, error = anthropic_post(server, "/v1/messages", msg("claude-nope", "hi"))
     assert (status, error["error"]["type"]) == (404, "not_found_error")
 
@@ -396,3 +405,19 @@ def test_retrieve_an_unknown_response(oai):
     with pytest.raises(openai.NotFoundError) as info:
         oai.responses.retrieve("resp_unknown")
     assert info.value.status_code == 404 and info.value.code == "response_not_found"
+
+
+def test_messages_errors_in_anthropic_shape_are_documented(server):
+    body = json.dumps({"model": "x", "pad": "x" * (9 << 20)})  # over --max-request-bytes
+    resp = httpx.post(server.url + "/v1/messages", content=body, timeout=60,
+                      headers={"x-api-key": KEY, "Content-Type": "application/json"})
+    assert resp.status_code == 413 and resp.json()["error"]["type"] == "request_too_large"
+    paths = httpx.get(server.url + "/openapi.json").json()["paths"]
+    for path, ref in (("/v1/messages", "AnthropicErrorResponse"),
+                      ("/v1/messages/count_tokens", "AnthropicErrorResponse"),
+                      ("/v1/responses", "ErrorResponse")):
+        responses = paths[path]["post"]["responses"]
+        assert "422" not in responses
+        for code in ("400", "401", "404", "413"):
+            assert responses[code]["content"]["application/json"]["schema"] == {
+                "$ref": f"#/components/schemas/{ref}"}

@@ -2,6 +2,7 @@
 
 Its OpenAPI schema (GET /openapi.json) tells the truth: validation errors are 400 in OpenAI's
 error shape (FastAPI's 422 is not used), and 401, 404 and 413 are documented where they occur.
+The Anthropic routes (/v1/messages) answer in Anthropic's error shape instead.
 """
 from __future__ import annotations
 
@@ -41,11 +42,11 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from pagedllm.entrypoints.openai.protocol_anthropic import MESSAGES_UNION_TAGS
+from pagedllm.entrypoints.openai.protocol_responses import RESPONSES_UNION_TAGS
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_engine import OpenAIError, PromptTokenizer, SSEResponse
-from pagedllm.entrypoints.openai.protocol_anthropic import MESSAGES_UNION_TAGS
-from pagedllm.entrypoints.openai.protocol_responses import RESPONSES_UNION_TAGS
 from pagedllm.entrypoints.openai.serving_messages import messages_router
 from pagedllm.entrypoints.openai.serving_responses import add_responses_routes
 

@@ -31,7 +31,6 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionResponse,
     ChatMessage,
     ChatTool,
-    ErrorResponse,
     FunctionCall,
     FunctionDefinition,
     JsonSchemaFormat,
@@ -80,7 +79,13 @@ def _text(content: str | list[TextBlock]) -> str:
 def chat_messages(request: CountTokensRequest) -> list[ChatMessage]:
     """The conversation as chat messages. A tool_result must answer a tool_use of the
     assistant turn before it; tool_use blocks belong to assistant turns, tool_result blocks
-    to user turns."""
+    to user turns. A final assistant turn (Anthropic's prefill, which the answer continues)
+    is refused: the chat template would close it and start a new turn."""
+    last = len(request.messages) - 1
+    if request.messages[last].role == "assistant":
+        raise OpenAIError(f"messages.{last}: a final assistant message (a prefill) is not "
+                          "supported; end the conversation with a user message",
+                          param=f"messages.{last}")
     messages: list[ChatMessage] = []
     if request.system:
         messages.append(SystemMessage(role="system", content=_text(request.system)))
@@ -373,7 +378,7 @@ def messages_router(
     errors: dict[int | str, dict] = {
         400: {**doc, "description": "Invalid request (Anthropic's error shape)"},
         404: {**doc, "description": "Unknown model"},
-        413: {"model": ErrorResponse, "description": "Body over --max-request-bytes"},
+        413: {**doc, "description": "Body over --max-request-bytes"},
     }
     if api_key is not None:
         errors[401] = {**doc, "description": "Missing or wrong key (`x-api-key: KEY` or "
