@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 from collections import Counter
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -53,3 +54,8 @@ def test_schemathesis_finds_nothing(tiny_server, tmp_path):
     assert len(entries) >= 250  # a few hundred requests, all of them answered
     assert not [s for s in statuses if s >= 500]
     assert statuses[200] and statuses[400]  # both valid and invalid requests were made
+    # The Responses and Messages routes were fuzzed too, with requests that generated.
+    for path in ("/v1/responses", "/v1/messages", "/v1/messages/count_tokens"):
+        answered = {e["response"]["status"] for e in entries
+                    if urlsplit(e["request"]["url"]).path == path}
+        assert {200, 400} <= answered, (path, answered)

@@ -2,6 +2,7 @@
 
 Its OpenAPI schema (GET /openapi.json) tells the truth: validation errors are 400 in OpenAI's
 error shape (FastAPI's 422 is not used), and 401, 404 and 413 are documented where they occur.
+The Anthropic routes (/v1/messages) answer in Anthropic's error shape instead.
 """
 from __future__ import annotations
 
@@ -42,9 +43,13 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeResponse,
 )
 from pagedllm.entrypoints.openai import vllm_routes
+from pagedllm.entrypoints.openai.protocol_anthropic import MESSAGES_UNION_TAGS
+from pagedllm.entrypoints.openai.protocol_responses import RESPONSES_UNION_TAGS
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_engine import OpenAIError, PromptTokenizer, SSEResponse
+from pagedllm.entrypoints.openai.serving_messages import messages_router
+from pagedllm.entrypoints.openai.serving_responses import add_responses_routes
 
 logger = logging.getLogger(__name__)
 
@@ -170,8 +175,12 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig | None = None) -> Fas
             )
         return DetokenizeResponse(prompt=await tokenizer.decode(body.tokens))
 
+    add_responses_routes(keyed, chat, _respond, _cancel_on_disconnect,
+                         _documented(400, *key, 404, 413))
     app.include_router(keyed)
     app.include_router(vllm_routes.build_router(engine, check_api_key, api_key is not None))
+    app.include_router(messages_router(chat, api_key, _respond, _cancel_on_disconnect,
+                                       _validation_to_openai))
 
     @app.get("/health")
     async def health() -> HealthResponse:
@@ -297,11 +306,11 @@ def _validation_to_openai(exc: RequestValidationError) -> OpenAIError:
         where = first["ctx"]["where"]
         return OpenAIError(first["msg"], param=None if where == "body" else where)
     path = _field_path(first.get("loc", ()))
-    if kind == "union_tag_not_found":  # a message without a role
-        path = f"{path}.role"
+    if kind == "union_tag_not_found":  # a message without a role, an item without a type
+        path = f"{path}.{_tag_field(first)}"
         return OpenAIError(f"missing required field: {path}", param=path)
-    if kind == "union_tag_invalid":  # a message with an unknown role
-        path = f"{path}.role"
+    if kind == "union_tag_invalid":  # a message with an unknown role, an unknown item type
+        path = f"{path}.{_tag_field(first)}"
         return OpenAIError(f"invalid value for {path}: {first['msg']}", param=path)
     if not path:
         return OpenAIError(f"invalid request body: {first['msg']}")
@@ -310,15 +319,27 @@ def _validation_to_openai(exc: RequestValidationError) -> OpenAIError:
     return OpenAIError(f"invalid value for {path}: {first['msg']}", param=path)
 
 
+def _tag_field(error: dict) -> str:
+    """The field a tagged union is told apart by: pydantic quotes it (`'role'`), or names
+    the callable that reads it (`type()`)."""
+    return error.get("ctx", {}).get("discriminator", "'role'").strip("'").removesuffix("()")
+
+
+# The tags pydantic puts after a list index in an error's loc (a tag is never the last part).
+_UNION_TAGS = frozenset((*MESSAGE_ROLES, *RESPONSES_UNION_TAGS, *MESSAGES_UNION_TAGS))
+
+
 def _field_path(loc: tuple) -> str:
     """The dotted path of the field, without what pydantic adds for unions: branch types
-    (`list[int]`, `TokenizeChatRequest`) and the role tag after a message's index."""
+    (`list[int]`, `TokenizeChatRequest`) and the tag after an index (a message's role, an
+    item's type)."""
     parts: list[str] = []
     previous: Any = None
-    for part in loc:
+    for k, part in enumerate(loc):
         tag = isinstance(part, str) and (
             "[" in part or "-" in part or part in ("str", "int", "float", "bool", "list", "dict")
-            or part[:1].isupper() or (isinstance(previous, int) and part in MESSAGE_ROLES)
+            or part[:1].isupper() or (isinstance(previous, int) and part in _UNION_TAGS
+                                      and k < len(loc) - 1)
         )
         if part != "body" and not tag:
             parts.append(str(part))

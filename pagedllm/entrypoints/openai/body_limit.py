@@ -11,7 +11,8 @@ DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 class RequestBodyLimit:
     """Read the whole body before the app runs, counting the bytes as they arrive (so a
     chunked body without Content-Length is bounded too); over max_bytes, answer 413 in
-    OpenAI's error shape and close the connection, without parsing a byte of it."""
+    OpenAI's error shape (Anthropic's on /v1/messages) and close the connection, without
+    parsing a byte of it."""
 
     def __init__(self, app: ASGIApp, max_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
         self.app = app
@@ -52,10 +53,11 @@ class RequestBodyLimit:
         await self.app(scope, replay, send)
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
-        error = {"error": {
-            "message": f"the request body is larger than this server's limit of "
-                       f"{self.max_bytes} bytes (`pagedllm serve --max-request-bytes`)",
-            "type": "invalid_request_error", "param": None, "code": "request_too_large",
-        }}
+        message = (f"the request body is larger than this server's limit of "
+                   f"{self.max_bytes} bytes (`pagedllm serve --max-request-bytes`)")
+        error: dict = {"error": {"message": message, "type": "invalid_request_error",
+                                 "param": None, "code": "request_too_large"}}
+        if scope.get("path", "").startswith("/v1/messages"):  # Anthropic's routes, its shape
+            error = {"type": "error", "error": {"type": "request_too_large", "message": message}}
         response = JSONResponse(error, status_code=413, headers={"Connection": "close"})
         await response(scope, receive, send)

@@ -271,7 +271,8 @@ class OpenAIServingChat(OpenAIServing):
         streams = await self.add_requests([prompt], params, request_id,
                                           server_default=server_default)
         if request.stream:
-            return SSEResponse(self._stream(request, request_id, streams, plan, mode), streams)
+            return SSEResponse(self._stream(request, request_id, streams, plan, mode), streams,
+                               len(prompt))
         (out,) = await final_outputs(streams)
         choices = []
         for j, o in enumerate(out.outputs):

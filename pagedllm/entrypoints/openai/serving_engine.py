@@ -327,6 +327,7 @@ class SSEResponse:
 
     events: AsyncIterator[str]
     streams: list[RequestStream]
+    prompt_tokens: int = 0  # of the first prompt (what the Messages API's first event reports)
 
     def abort(self) -> None:
         for stream in self.streams:
