@@ -56,3 +56,5 @@ class RequestOutput:
     error: str | None = None
     # Text and token ids new since the previous output of this request, per sample.
     deltas: list[tuple[str, list[int]]] = field(default_factory=list)
+    # A pooling request's vector (PoolingParams): the prompt's pooled final hidden state.
+    embedding: list[float] | None = None

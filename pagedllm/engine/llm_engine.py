@@ -50,6 +50,9 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_num_verified_rows: int = 0
+    # Prompt tokens looked up in the prefix cache and found there, since the engine started.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
     @property
     def spec_acceptance_rate(self) -> float:
@@ -682,6 +685,8 @@ class LLMEngine:
             spec_num_draft_tokens=self.spec_counts[0],
             spec_num_accepted_tokens=self.spec_counts[1],
             spec_num_verified_rows=self.spec_counts[2],
+            prefix_cache_queries=s.block_manager.gpu_allocator.num_cache_queries * self.block_size,
+            prefix_cache_hits=s.block_manager.gpu_allocator.num_cache_hits * self.block_size,
         )
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:

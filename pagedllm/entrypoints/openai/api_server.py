@@ -91,7 +91,7 @@ def _documented(*codes: int, ok: type | None = None, stream: bool = False) -> di
 
 def build_app(engine: AsyncLLMEngine, config: ServerConfig | None = None) -> FastAPI:
     config = config or ServerConfig()
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(engine.model_name, engine.max_model_len)
     engine.observers.append(metrics)
     tokenizer = PromptTokenizer(engine.tokenizer, engine.max_model_len)
     completion = OpenAIServingCompletion(engine, tokenizer, config.max_tokens_default)
