@@ -43,6 +43,7 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding, embedding_router
 from pagedllm.entrypoints.openai.serving_engine import OpenAIError, PromptTokenizer, SSEResponse
 
 logger = logging.getLogger(__name__)
@@ -162,6 +163,9 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig | None = None) -> Fas
         return DetokenizeResponse(prompt=await tokenizer.decode(body.tokens))
 
     app.include_router(keyed)
+    app.include_router(embedding_router(OpenAIServingEmbedding(engine, tokenizer),
+                                        [Depends(check_api_key)],
+                                        _documented(400, *key, 404, 413), _cancel_on_disconnect))
 
     @app.get("/health")
     async def health() -> HealthResponse:
