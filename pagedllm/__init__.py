@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from pagedllm.entrypoints.llm import LLM
-    from pagedllm.outputs import CompletionOutput, RequestOutput
+    from pagedllm.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
+    from pagedllm.pooling_params import PoolingParams
     from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 _EXPORTS = {
@@ -19,6 +20,8 @@ _EXPORTS = {
     "StructuredOutputsParams": "pagedllm.sampling_params",
     "RequestOutput": "pagedllm.outputs",
     "CompletionOutput": "pagedllm.outputs",
+    "EmbeddingRequestOutput": "pagedllm.outputs",
+    "PoolingParams": "pagedllm.pooling_params",
 }
 
 __all__ = list(_EXPORTS)

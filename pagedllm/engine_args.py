@@ -17,6 +17,7 @@ from typing import Any
 from pagedllm.config import (
     DTYPES, LOAD_FORMATS, PREEMPTION_MODES, QUANTIZATIONS, SpeculativeConfig,
 )
+from pagedllm.pooling_params import POOLING_TYPES
 
 
 def option(default: Any, help: str, choices: tuple[str, ...] | None = None,
@@ -118,6 +119,9 @@ class EngineArgs:
         None, 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_min": 1, "prompt_lookup_max": 4} or {"method": "draft_model", '
         '"model": PATH, "num_speculative_tokens": 4}; optional "disable_by_batch_size": N')
+    pooling: str = option(
+        "last", "how embeddings (/v1/embeddings, LLM.embed) pool the prompt's final hidden "
+        "states: the last token's, or their mean", POOLING_TYPES)
 
     def __post_init__(self) -> None:
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
@@ -159,6 +163,9 @@ class EngineArgs:
             if tp > 1:
                 raise ValueError("speculative_config and tensor_parallel_size > 1 cannot be "
                                  "combined (yet)")
+        if self.pooling not in POOLING_TYPES:
+            raise ValueError(f"pooling must be one of {', '.join(POOLING_TYPES)}, "
+                             f"got {self.pooling!r}")
         if not self.distributed_timeout > 0:
             raise ValueError(
                 f"distributed_timeout must be a positive number of seconds, got "

@@ -56,3 +56,27 @@ class RequestOutput:
     error: str | None = None
     # Text and token ids new since the previous output of this request, per sample.
     deltas: list[tuple[str, list[int]]] = field(default_factory=list)
+    # A pooling request's vector (PoolingParams): the prompt's pooled final hidden state.
+    embedding: list[float] | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]  # the prompt's pooled final hidden state
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What LLM.embed returns per prompt (vLLM's shape: `.outputs.embedding`)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+
+    @classmethod
+    def from_output(cls, output: RequestOutput) -> "EmbeddingRequestOutput":
+        assert output.embedding is not None, f"{output.request_id} is no pooling request"
+        return cls(output.request_id, output.prompt, output.prompt_token_ids,
+                   EmbeddingOutput(output.embedding))

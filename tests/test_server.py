@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from pagedllm.sampling_params import SamplingParams
 from tests.paged_helpers import NEAR_TIE_ACROSS_BATCH_SHAPES
@@ -136,11 +137,12 @@ def chat_prompt_ids(llm, messages: list[dict]) -> list[int]:
 
 
 def scrape(url: str) -> dict[str, float]:
+    """Sample name -> value of every series labelled with model_name alone (so neither a
+    histogram's buckets nor request_success by finished_reason)."""
     text = httpx.get(url + "/metrics").text
-    return {
-        m.group(1): float(m.group(2))
-        for m in re.finditer(r"^(pagedllm:\S+?)(?:\{[^}]*\})? (\S+)$", text, re.M)
-    }
+    return {sample.name: sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples
+            if set(sample.labels) == {"model_name"}}
 
 
 # ---------------------------------------------------------------------- basics
@@ -683,9 +685,9 @@ def test_concurrent_streams_with_disconnects(server, client, model):
     deadline = time.monotonic() + 10
     while True:
         metrics = scrape(server.url)
-        idle = (metrics["pagedllm:num_requests_running"] == 0
-                and metrics["pagedllm:num_requests_waiting"] == 0
-                and metrics["pagedllm:kv_cache_usage_perc"] == 0)
+        idle = (metrics["vllm:num_requests_running"] == 0
+                and metrics["vllm:num_requests_waiting"] == 0
+                and metrics["vllm:kv_cache_usage_perc"] == 0)
         if idle or time.monotonic() > deadline:
             break
         time.sleep(0.2)
@@ -737,19 +739,96 @@ def test_metrics_exposition(server, client, model, default_llm):
     resp = client.completions.create(model=model, prompt="Q: What is 2 + 2?\nA:", max_tokens=4,
                                      extra_body={"ignore_eos": True})
     after = scrape(server.url)
-    assert after["pagedllm:generation_tokens_total"] - before.get(
-        "pagedllm:generation_tokens_total", 0) == resp.usage.completion_tokens
-    assert after["pagedllm:prompt_tokens_total"] - before.get(
-        "pagedllm:prompt_tokens_total", 0) == resp.usage.prompt_tokens
-    assert after["pagedllm:time_to_first_token_seconds_count"] == before.get(
-        "pagedllm:time_to_first_token_seconds_count", 0) + 1
-    assert after["pagedllm:inter_token_latency_seconds_count"] >= before.get(
-        "pagedllm:inter_token_latency_seconds_count", 0) + resp.usage.completion_tokens - 1
-    for name in ("num_requests_running", "num_requests_waiting", "num_requests_swapped",
-                 "kv_cache_usage_perc", "prefix_cache_hit_rate"):
-        assert f"pagedllm:{name}" in after
+    assert after["vllm:generation_tokens_total"] - before.get(
+        "vllm:generation_tokens_total", 0) == resp.usage.completion_tokens
+    assert after["vllm:prompt_tokens_total"] - before.get(
+        "vllm:prompt_tokens_total", 0) == resp.usage.prompt_tokens
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
+                 "request_queue_time_seconds", "request_prompt_tokens",
+                 "request_generation_tokens"):
+        assert after[f"vllm:{name}_count"] == before.get(f"vllm:{name}_count", 0) + 1, name
+    assert after["vllm:request_prompt_tokens_sum"] - before.get(
+        "vllm:request_prompt_tokens_sum", 0) == resp.usage.prompt_tokens
+    assert after["vllm:request_generation_tokens_sum"] - before.get(
+        "vllm:request_generation_tokens_sum", 0) == resp.usage.completion_tokens
+    assert after["vllm:inter_token_latency_seconds_count"] >= before.get(
+        "vllm:inter_token_latency_seconds_count", 0) + resp.usage.completion_tokens - 1
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "pagedllm:num_requests_swapped", "vllm:kv_cache_usage_perc",
+                 "pagedllm:prefix_cache_hit_rate", "vllm:num_preemptions_total",
+                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
+        assert name in after, name
+    assert after["vllm:prefix_cache_hits_total"] <= after["vllm:prefix_cache_queries_total"]
     assert 0 <= after["pagedllm:prefix_cache_hit_rate"] <= 1
     assert after["pagedllm:model_weight_bytes"] == default_llm.engine.worker.weight_bytes
+
+
+# What a vLLM Grafana dashboard asks Prometheus for (its panels' queries, $model_name the
+# dashboard's variable); each must select series this server exports.
+DASHBOARD_QUERIES = [
+    'histogram_quantile(0.99, sum by(le) (rate(vllm:e2e_request_latency_seconds_bucket'
+    '{model_name="$model_name"}[1m])))',
+    'rate(vllm:e2e_request_latency_seconds_sum{model_name="$model_name"}[1m]) / '
+    'rate(vllm:e2e_request_latency_seconds_count{model_name="$model_name"}[1m])',
+    'rate(vllm:prompt_tokens_total{model_name="$model_name"}[1m])',
+    'rate(vllm:generation_tokens_total{model_name="$model_name"}[1m])',
+    'histogram_quantile(0.99, sum by(le) (rate(vllm:inter_token_latency_seconds_bucket'
+    '{model_name="$model_name"}[1m])))',
+    'vllm:num_requests_running{model_name="$model_name"}',
+    'vllm:num_requests_waiting{model_name="$model_name"}',
+    'histogram_quantile(0.9, sum by(le) (rate(vllm:time_to_first_token_seconds_bucket'
+    '{model_name="$model_name"}[1m])))',
+    'rate(vllm:time_to_first_token_seconds_sum{model_name="$model_name"}[1m]) / '
+    'rate(vllm:time_to_first_token_seconds_count{model_name="$model_name"}[1m])',
+    'vllm:kv_cache_usage_perc{model_name="$model_name"}',
+    'sum by(le) (increase(vllm:request_prompt_tokens_bucket{model_name="$model_name"}[1m]))',
+    'sum by(le) (increase(vllm:request_generation_tokens_bucket{model_name="$model_name"}[1m]))',
+    'sum by(finished_reason) (increase(vllm:request_success_total'
+    '{model_name="$model_name"}[1m]))',
+    'rate(vllm:request_queue_time_seconds_sum{model_name="$model_name"}[1m])',
+    'rate(vllm:request_prefill_time_seconds_sum{model_name="$model_name"}[1m])',
+    'rate(vllm:request_decode_time_seconds_sum{model_name="$model_name"}[1m])',
+    'rate(vllm:num_preemptions_total{model_name="$model_name"}[1m])',
+    'rate(vllm:prefix_cache_hits_total{model_name="$model_name"}[1m]) / '
+    'rate(vllm:prefix_cache_queries_total{model_name="$model_name"}[1m])',
+    'rate(vllm:spec_decode_num_accepted_tokens_total{model_name="$model_name"}[1m]) / '
+    'rate(vllm:spec_decode_num_draft_tokens_total{model_name="$model_name"}[1m])',
+    'rate(vllm:spec_decode_num_drafts_total{model_name="$model_name"}[1m])',
+]
+VLLM_NAMES = [
+    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+    "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:num_preemptions_total",
+    "vllm:request_success_total", "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total", "vllm:time_to_first_token_seconds_bucket",
+    "vllm:inter_token_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket",
+    "vllm:request_queue_time_seconds_bucket", "vllm:request_prompt_tokens_bucket",
+    "vllm:request_generation_tokens_bucket", "vllm:spec_decode_num_drafts_total",
+    "vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_accepted_tokens_total",
+]
+
+
+def test_metrics_under_vllm_names_answer_a_dashboards_queries(server, client, model):
+    client.completions.create(model=model, prompt="Hello", max_tokens=3, temperature=0,
+                              extra_body={"ignore_eos": True})
+    text = httpx.get(server.url + "/metrics").text
+    samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+    unlabelled = [s.name for s in samples if s.labels.get("model_name") != model]
+    assert not unlabelled, f"series without model_name={model!r}: {unlabelled[:5]}"
+    assert not [s.name for s in samples if not s.name.startswith(("vllm:", "pagedllm:"))]
+    names = {s.name for s in samples}
+    assert not [n for n in VLLM_NAMES if n not in names]
+    by_length = [s for s in samples if s.name == "vllm:request_success_total"
+                 and s.labels["finished_reason"] == "length"]
+    assert by_length and by_length[0].value >= 1
+    for query in DASHBOARD_QUERIES:
+        query = query.replace("$model_name", model)
+        grouped = re.findall(r"by ?\((\w+)\)", query)
+        for name, selector in re.findall(r"([a-zA-Z_:][\w:]*)\{([^}]*)\}", query):
+            wanted = dict(re.findall(r'(\w+)="([^"]*)"', selector))
+            found = [s for s in samples if s.name == name
+                     and wanted.items() <= s.labels.items()
+                     and all(label in s.labels for label in grouped)]
+            assert found, f"{query}: no series {name}{{{selector}}}"
 
 
 def test_sse_wire_format(server, model):

@@ -78,7 +78,7 @@ def test_key_grants_access(server):
 def test_health_and_metrics_stay_open(server):
     assert httpx.get(server.url + "/health").status_code == 200
     metrics = httpx.get(server.url + "/metrics")
-    assert metrics.status_code == 200 and "pagedllm:num_requests_running" in metrics.text
+    assert metrics.status_code == 200 and "vllm:num_requests_running" in metrics.text
 
 
 def test_metrics_need_key_and_non_ascii_keys():

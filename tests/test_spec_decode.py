@@ -10,6 +10,7 @@ import re
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from pagedllm import LLM, SamplingParams, StructuredOutputsParams
 from pagedllm.config import SpeculativeConfig
@@ -295,12 +296,13 @@ def test_server_streams_windows_and_reports_acceptance(models, prompts, referenc
     tokens = [t for e in events for c in e["choices"] for t in (c.get("logprobs") or {})
               .get("tokens", [])]
     assert len(tokens) == 32
-    values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
-              if line.startswith("pagedllm:spec_decode")}
+    values = {s.name: s.value for family in text_string_to_metric_families(metrics)
+              for s in family.samples if "spec_decode" in s.name}
     assert 0 < values["pagedllm:spec_decode_acceptance_rate"] <= 1
     assert values["pagedllm:spec_decode_mean_accepted_length"] > 1
-    assert values["pagedllm:spec_decode_num_draft_tokens"] >= \
-        values["pagedllm:spec_decode_num_accepted_tokens"] > 0
+    assert values["vllm:spec_decode_num_draft_tokens_total"] >= \
+        values["vllm:spec_decode_num_accepted_tokens_total"] > 0
+    assert values["vllm:spec_decode_num_drafts_total"] > 0
 
 
 def test_sampled_tokens_keep_the_targets_distribution(tmp_path):

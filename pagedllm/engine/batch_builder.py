@@ -82,8 +82,8 @@ class StepBatchBuilder:
                 prompt_len = len(seq.prompt_token_ids)
                 if sent is None:
                     params = group.sampling_params
-                    batch.new_seqs.append(
-                        NewSequence(seq_id, seq.prompt_token_ids, params, params.seed))
+                    batch.new_seqs.append(NewSequence(seq_id, seq.prompt_token_ids, params,
+                                                      params.seed, group.pooling))
                     sent = sent_of[seq_id] = _Sent(prompt_len)
                 num_tokens = prompt_len + len(seq.output_token_ids)
                 new_tokens = []

@@ -135,6 +135,9 @@ class BlockSpaceManager:
         # Cached tokens are never run through the model, so they get no prompt logprobs.
         if getattr(seq_group.sampling_params, "prompt_logprobs", None) is not None:
             return [], 0
+        # Nor hidden states: a mean over the prompt needs every token's.
+        if getattr(seq_group, "pooling", None) == "mean":
+            return [], 0
         tokens = seq.get_token_ids()
         bs = self.block_size
         num_full = (len(tokens) - 1) // bs

@@ -19,11 +19,13 @@ from pagedllm.engine_args import EngineArgs
 from pagedllm.engine.batch_builder import StepBatchBuilder
 from pagedllm.engine.detokenizer import Detokenizer, find_stop_string
 from pagedllm.engine.ngram_proposer import propose_ngram
+from pagedllm.engine.pooling import finish_pooling, pooling_output
 from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
 from pagedllm.engine.sequence import Logprob, Sequence, SequenceGroup, SequenceStatus
 from pagedllm.engine.structured_output import StructuredOutputManager
 from pagedllm.layers.sampler import SampleResult
 from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.inputs import StepBatch, StepResult
 from pagedllm.worker.model_runner import PendingStep
@@ -50,6 +52,9 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_num_verified_rows: int = 0
+    # Prompt tokens looked up in the prefix cache and found there, since the engine started.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
     @property
     def spec_acceptance_rate(self) -> float:
@@ -202,11 +207,16 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: str | list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
     ) -> None:
+        """A generation request, or with PoolingParams a pooling one: its prompt's forward
+        (chunked as any prompt's) gives one vector (RequestOutput.embedding), no token is
+        sampled, and its blocks are freed as the vector comes out."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(params, PoolingParams):
+            return self._add_pooling_request(request_id, prompt, params, arrival_time)
         prompt_text, ids = self._tokenize(prompt)
         # Without max_tokens a request may run to the end of the context, but it only has to
         # fit the cache with its prompt and first token to be admissible.
@@ -221,7 +231,26 @@ class LLMEngine:
         self.requests[request_id] = group
         self.scheduler.add_seq_group(group)
 
-    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+    def _add_pooling_request(self, request_id: str, prompt: str | list[int],
+                             params: PoolingParams, arrival_time: float | None) -> None:
+        params.check_dimensions(self.model_config.hidden_size, self.model_name)
+        prompt_text, ids = self._tokenize(prompt, room=0)
+        need = math.ceil(len(ids) / self.block_size)
+        if need > self.worker.num_gpu_blocks:
+            raise ValueError(
+                f"the prompt needs {need * self.block_size} tokens of KV cache for its "
+                f"forward but the cache holds only {self.worker.num_gpu_blocks * self.block_size}")
+        seq = Sequence(next(self._seq_ids), ids, self.block_size)
+        # The sampling params only steer the scheduler: one step, nothing sampled.
+        group = SequenceGroup(request_id, [seq], SamplingParams(max_tokens=1), prompt_text,
+                              arrival_time)
+        group.pooling, group.pooling_params = self.args.pooling, params
+        self.requests[request_id] = group
+        self.scheduler.add_seq_group(group)
+
+    def _tokenize(self, prompt: str | list[int],
+                  room: int = 1) -> tuple[str | None, list[int]]:
+        """`room`: tokens the prompt must leave in the context (0: a pooling prompt)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass the prompt as token ids")
@@ -236,10 +265,11 @@ class LLMEngine:
             text = None
         if not ids:
             raise ValueError("the prompt is empty")
-        if len(ids) >= self.max_model_len:
+        if len(ids) + room > self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(ids)} tokens, but the model's context is "
-                f"{self.max_model_len} tokens (the prompt must leave room for one new token)"
+                f"{self.max_model_len} tokens" + (
+                    " (the prompt must leave room for one new token)" if room else "")
             )
         return text, ids
 
@@ -438,6 +468,14 @@ class LLMEngine:
             seqs = [s for s in group.seqs_dict.values() if s.status is RUNNING]
             if not seqs:
                 continue  # finished or aborted while this step ran (async scheduling)
+            if group.pooling is not None:
+                self.scheduler.mark_computed(seqs[0], scheduled.token_chunk_size)
+                if scheduled.do_sample:  # the prompt is complete: its vector is out
+                    finish_pooling(group, seqs[0], result.pooled[seqs[0].seq_id], now)
+                    self.scheduler.free_seq(seqs[0])
+                    self.batch_builder.free((seqs[0].seq_id,))
+                    outputs.append(pooling_output(group))
+                continue
             chunk_logprobs = result.prompt_logprobs.get(seqs[0].seq_id)
             if chunk_logprobs is not None:
                 self._append_prompt_logprobs(group, chunk_logprobs)
@@ -693,6 +731,8 @@ class LLMEngine:
             spec_num_draft_tokens=self.spec_counts[0],
             spec_num_accepted_tokens=self.spec_counts[1],
             spec_num_verified_rows=self.spec_counts[2],
+            prefix_cache_queries=s.block_manager.gpu_allocator.num_cache_queries * self.block_size,
+            prefix_cache_hits=s.block_manager.gpu_allocator.num_cache_hits * self.block_size,
         )
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:

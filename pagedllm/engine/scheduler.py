@@ -274,9 +274,10 @@ class Scheduler:
     @staticmethod
     def _reads_own_output(group: SequenceGroup) -> bool:
         """Sampling that needs this sequence's latest tokens on the host before its step is
-        launched (penalties) or forks it (best_of/n at a first sample)."""
+        launched (penalties) or forks it (best_of/n at a first sample); a pooling request
+        (no sample at all: it finishes in the update of its prompt's last chunk)."""
         p = group.sampling_params
-        return group.max_num_samples != 1 or p.has_penalties
+        return group.max_num_samples != 1 or p.has_penalties or group.pooling is not None
 
     @staticmethod
     def _one_step_at_a_time(group: SequenceGroup, structured_ok: bool) -> bool:

@@ -160,6 +160,11 @@ class SequenceGroup:
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
         # Number of prompt tokens found in the prefix cache at admission.
         self.num_cached_tokens = 0
+        # A pooling request (engine/pooling.py): "last" | "mean", its PoolingParams, and the
+        # vector once its prompt is computed. None: a generation request.
+        self.pooling: str | None = None
+        self.pooling_params = None
+        self.embedding: list[float] | None = None
 
     @property
     def prompt_token_ids(self) -> list[int]:

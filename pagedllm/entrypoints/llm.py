@@ -18,7 +18,8 @@ from tqdm.auto import tqdm
 from pagedllm.engine_args import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.chat_utils import apply_chat_template
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -55,7 +56,8 @@ class LLM:
     tensor_parallel_size (ranks the model is split over; call llm.engine.shutdown() before
     making another such LLM in the same process), distributed_timeout, disable_log_stats,
     speculative_config ({"method": "ngram" | "draft_model", "num_speculative_tokens": k,
-    ...}: see SpeculativeConfig in pagedllm/config.py).
+    ...}: see SpeculativeConfig in pagedllm/config.py), pooling ("last" | "mean": how
+    embed() pools).
 
     Also accepted as vLLM code passes them: pipeline_parallel_size and data_parallel_size
     of 1 (more is not supported yet); trust_remote_code (pagedllm implements its architectures itself
@@ -108,6 +110,30 @@ class LLM:
             self.engine.abort_request(request_ids)
             raise
         return self._run(request_ids, use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """One vector per prompt, in input order (vLLM's LLM.embed): the prompt's final
+        hidden states after the model's final norm, pooled as the engine's `pooling` option
+        says (the last token's, or the mean) and L2-normalized unless
+        pooling_params.normalize is False. The prompts run batched through the engine."""
+        prompts = [_engine_prompt(p, i) for i, p in enumerate(_prompt_list(prompts))]
+        params = PoolingParams() if pooling_params is None else pooling_params
+        if not isinstance(params, PoolingParams):
+            raise TypeError(f"pooling_params must be PoolingParams, got {type(params).__name__}")
+        request_ids = [f"offline-{next(self._ids)}" for _ in prompts]
+        try:
+            for rid, prompt in zip(request_ids, prompts):
+                self.engine.add_request(rid, prompt, params)
+        except ValueError:
+            self.engine.abort_request(request_ids)
+            raise
+        return [EmbeddingRequestOutput.from_output(out)
+                for out in self._run(request_ids, use_tqdm)]
 
     def chat(
         self,

@@ -36,6 +36,9 @@ class NewSequence:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     seed: int | None = None  # the sequence's own generator; None: the global one
+    # "last" | "mean": a pooling request (PoolingParams): its rows are pooled, never sampled;
+    # its last prompt chunk returns the vector (StepResult.pooled).
+    pooling: str | None = None
 
 
 @dataclass
@@ -119,6 +122,9 @@ class StepResult:
     # Such a row's num_samples entries are its k+1 positions in order, the first
     # num_spec_tokens of them the tokens to append (not forks).
     num_spec_tokens: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # Pooling rows whose prompt is complete: seq_id -> the pooled vector, fp32 on the host
+    # (not normalized; layers/pooler.py).
+    pooled: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_steps(self) -> int:

@@ -21,6 +21,7 @@ from torch import nn
 from pagedllm.kernels.metadata import (
     PagedAttentionInputMetadata, host_to_device, pad_block_tables, slots_for,
 )
+from pagedllm.layers import pooler
 from pagedllm.layers.sampler import (
     SampledBatch, Sampler, SamplingRow, compute_prompt_logprobs, make_generator,
 )
@@ -41,6 +42,8 @@ class SeqState:
     output_token_ids: list[int]
     block_table: list[int]
     generator: torch.Generator | None
+    pooling: str | None = None  # a pooling sequence ("last" | "mean"): pooled, never sampled
+    pooled: torch.Tensor | None = None  # its partial over the chunks computed so far
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """Token ids [start, end) of prompt + output."""
@@ -72,6 +75,8 @@ class FlatBatch:
     from_last_samples: list[tuple[int, int]] = field(default_factory=list)
     # Speculative rows, (seq_id, row, proposals): their k+1 logits rows come last.
     spec_rows: list[tuple[int, SamplingRow, list[int]]] = field(default_factory=list)
+    # Pooling rows, (seq_id, first flat index, rows, first position, the prompt's last chunk).
+    pool_rows: list[tuple[int, int, int, int, bool]] = field(default_factory=list)
     # block_tables padded into host tensors, by (rows, pinned): made once for all the steps
     # of a decode window, which share the tables (next_decode_step passes this on).
     padded: dict[tuple[int, bool], torch.Tensor] = field(default_factory=dict, repr=False)
@@ -297,7 +302,7 @@ class ModelRunner:
         seqs = self.seqs
         for new in batch.new_seqs:
             seqs[new.seq_id] = SeqState(new.sampling_params, list(new.prompt_token_ids), [], [],
-                                        self._generator(new.seed))
+                                        self._generator(new.seed), new.pooling)
         for fork in batch.forks:
             parent = self._state(fork.parent_seq_id)
             seqs[fork.child_seq_id] = SeqState(
@@ -360,6 +365,9 @@ class ModelRunner:
             b.seq_lens.append(end)
             b.block_tables.append(table)
             params = st.params
+            if st.pooling is not None:
+                b.pool_rows.append((seq_id, first, chunk, start, batch.do_sample[i]))
+                continue
             if params.prompt_logprobs is not None and start + 1 < prompt_len:
                 # Logits at position p predict prompt token p + 1.
                 last = min(end, prompt_len - 1)
@@ -478,10 +486,12 @@ class ModelRunner:
         input_ids = self._device_input_ids(b)
         self._last_sampled = None
         hidden = self.forward(b, kv_caches, input_ids)
-        if not b.logits_indices:
-            return PendingStep(StepResult())
-        logits = self.model.compute_logits(self._select_rows(hidden, b.logits_indices))
         result = StepResult()
+        if b.pool_rows:
+            result.pooled = self._pool(hidden, b.pool_rows)
+        if not b.logits_indices:
+            return PendingStep(result)
+        logits = self.model.compute_logits(self._select_rows(hidden, b.logits_indices))
         for seq_id, (row, count, targets, k) in b.prompt_logprob_rows.items():
             result.prompt_logprobs[seq_id] = compute_prompt_logprobs(
                 logits[row: row + count], targets, k
@@ -494,6 +504,24 @@ class ModelRunner:
         if window.awaits_bitmask:
             self._open_window = window
         return window
+
+    def _pool(self, hidden: torch.Tensor,
+              rows: list[tuple[int, int, int, int, bool]]) -> dict[int, torch.Tensor]:
+        """Each pooling row's chunk into its sequence's partial; the vectors of the prompts
+        this step completes, on the host (one copy; pooling steps wait for it)."""
+        done: dict[int, torch.Tensor] = {}
+        for seq_id, first, count, start, last_chunk in rows:
+            st = self.seqs[seq_id]
+            # A prompt computed from its start again (preempted by recompute) starts over.
+            partial = None if start == 0 else st.pooled
+            st.pooled = pooler.pool_chunk(st.pooling, hidden[first: first + count], partial)
+            if last_chunk:
+                done[seq_id] = pooler.finish(st.pooling, st.pooled, start + count)
+                st.pooled = None
+        if not done:
+            return done
+        vectors = torch.stack(list(done.values())).cpu()
+        return dict(zip(done, vectors))
 
     def _verify(self, batch: StepBatch, b: FlatBatch, logits: torch.Tensor, result: StepResult,
                 draft_probs: dict[int, torch.Tensor | None]) -> torch.Tensor:

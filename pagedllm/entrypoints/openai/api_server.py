@@ -47,6 +47,7 @@ from pagedllm.entrypoints.openai.protocol_anthropic import MESSAGES_UNION_TAGS
 from pagedllm.entrypoints.openai.protocol_responses import RESPONSES_UNION_TAGS
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding, embedding_router
 from pagedllm.entrypoints.openai.serving_engine import OpenAIError, PromptTokenizer, SSEResponse
 from pagedllm.entrypoints.openai.serving_messages import messages_router
 from pagedllm.entrypoints.openai.serving_responses import add_responses_routes
@@ -101,7 +102,7 @@ def _documented(*codes: int, ok: type | None = None, stream: bool = False) -> di
 
 def build_app(engine: AsyncLLMEngine, config: ServerConfig | None = None) -> FastAPI:
     config = config or ServerConfig()
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(engine.model_name, engine.max_model_len)
     engine.observers.append(metrics)
     tokenizer = PromptTokenizer(engine.tokenizer, engine.max_model_len)
     completion = OpenAIServingCompletion(engine, tokenizer, config.max_tokens_default)
@@ -181,6 +182,9 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig | None = None) -> Fas
     app.include_router(vllm_routes.build_router(engine, check_api_key, api_key is not None))
     app.include_router(messages_router(chat, api_key, _respond, _cancel_on_disconnect,
                                        _validation_to_openai))
+    app.include_router(embedding_router(OpenAIServingEmbedding(engine, tokenizer),
+                                        [Depends(check_api_key)],
+                                        _documented(400, *key, 404, 413), _cancel_on_disconnect))
 
     @app.get("/health")
     async def health() -> HealthResponse:

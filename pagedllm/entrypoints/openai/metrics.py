@@ -1,66 +1,144 @@
-"""Prometheus metrics for GET /metrics, in a registry of their own (not the global one)."""
+"""Prometheus metrics for GET /metrics, in a registry of their own (not the global one).
+
+Named as vLLM names them (`vllm:...`, every series labelled `model_name`), so the Grafana
+dashboards made for vLLM work unchanged; what vLLM has no name for is `pagedllm:...`.
+Latencies and token counts come from the engine's outputs as they pass (OutputObserver);
+gauges, and counters the engine keeps itself (preemptions, prefix cache, speculative
+decoding), are read from its stats at each scrape.
+"""
 from __future__ import annotations
 
 import time
 
+import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pagedllm.outputs import RequestOutput
 
-TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
-ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+# No `*_created` series beside every counter and histogram (as vLLM): nothing reads them,
+# and they would double the exposition. prometheus_client's switch is process-wide.
+prometheus_client.disable_created_metrics()
+
+# Seconds; wide enough for a slow CPU and a loaded GPU alike.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+               5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+def token_buckets(max_model_len: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to the context length (a token count's histogram)."""
+    buckets, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_model_len:
+                return buckets
+            buckets.append(m * scale)
+        scale *= 10
+
+
+class _FromTotal:
+    """A counter fed from a running total the engine keeps: each scrape adds what is new."""
+
+    def __init__(self, counter: Counter) -> None:
+        self.counter, self.seen = counter, 0
+
+    def set_total(self, total: int) -> None:
+        if total > self.seen:
+            self.counter.inc(total - self.seen)
+            self.seen = total
 
 
 class ServerMetrics:
-    """Latency and token counts from every engine output; gauges set from stats at scrape."""
+    """Every metric of the server, its series labelled with the served model's name."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "", max_model_len: int = 4096) -> None:
         self.registry = CollectorRegistry()
-        r = self.registry
-        self.num_running = Gauge("pagedllm:num_requests_running",
-                                 "Requests in the running batch", registry=r)
-        self.num_waiting = Gauge("pagedllm:num_requests_waiting",
-                                 "Requests waiting to be scheduled", registry=r)
-        self.num_swapped = Gauge("pagedllm:num_requests_swapped",
-                                 "Requests swapped out to host memory", registry=r)
-        self.kv_cache_usage = Gauge("pagedllm:kv_cache_usage_perc",
-                                    "Fraction of KV cache blocks in use (0-1)", registry=r)
-        self.prefix_cache_hit_rate = Gauge("pagedllm:prefix_cache_hit_rate",
-                                           "Fraction of prompt tokens found in the prefix cache",
-                                           registry=r)
-        self.num_preemptions = Gauge("pagedllm:num_preemptions",
-                                     "Preemptions since the engine started", registry=r)
-        self.weight_bytes = Gauge("pagedllm:model_weight_bytes",
-                                  "Bytes of the model's weights as stored (quantized or not)",
-                                  registry=r)
-        # Speculative decoding (0 without it): proposals scored and accepted since start.
-        self.spec_draft_tokens = Gauge("pagedllm:spec_decode_num_draft_tokens",
-                                       "Proposed tokens scored by the target model", registry=r)
-        self.spec_accepted_tokens = Gauge("pagedllm:spec_decode_num_accepted_tokens",
-                                          "Proposed tokens the target model accepted",
-                                          registry=r)
-        self.spec_acceptance_rate = Gauge("pagedllm:spec_decode_acceptance_rate",
-                                          "Accepted / proposed tokens (0-1)", registry=r)
-        self.spec_mean_accepted_length = Gauge(
-            "pagedllm:spec_decode_mean_accepted_length",
-            "Tokens per speculative row and step: accepted proposals + the target's own",
-            registry=r)
-        self.ttft = Histogram("pagedllm:time_to_first_token_seconds",
-                              "Time from arrival to the first generated token",
-                              buckets=TTFT_BUCKETS, registry=r)
-        self.itl = Histogram("pagedllm:inter_token_latency_seconds",
-                             "Time between consecutive generated tokens of a request",
-                             buckets=ITL_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("pagedllm:prompt_tokens_total",
-                                     "Prompt tokens of requests that started", registry=r)
-        self.generation_tokens = Counter("pagedllm:generation_tokens_total",
-                                         "Tokens generated", registry=r)
-        self.sequence_errors = Counter(
-            "pagedllm:sequence_errors_total",
-            "Sequences that ended with finish_reason error (a grammar limit hit mid-way)",
-            registry=r)
+        self.model_name = model_name
+        self._engine_metrics()
+        self._request_metrics(max_model_len)
         # request id -> time its latest token was seen
         self._last_token_time: dict[str, float] = {}
+
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(name, doc, ["model_name"], registry=self.registry).labels(self.model_name)
+
+    def _counter(self, name: str, doc: str) -> Counter:
+        return Counter(name, doc, ["model_name"], registry=self.registry).labels(self.model_name)
+
+    def _histogram(self, name: str, doc: str, buckets) -> Histogram:
+        return Histogram(name, doc, ["model_name"], buckets=buckets,
+                         registry=self.registry).labels(self.model_name)
+
+    def _engine_metrics(self) -> None:
+        """What the engine's stats give at each scrape."""
+        gauge, counter = self._gauge, self._counter
+        self.num_running = gauge("vllm:num_requests_running", "Requests in the running batch")
+        self.num_waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled")
+        self.num_swapped = gauge("pagedllm:num_requests_swapped",
+                                 "Requests swapped out to host memory")
+        self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc",
+                                    "Fraction of KV cache blocks in use (0-1)")
+        self.prefix_cache_hit_rate = gauge(
+            "pagedllm:prefix_cache_hit_rate",
+            "Fraction of queried prompt tokens found in the prefix cache, since start")
+        self.weight_bytes = gauge("pagedllm:model_weight_bytes",
+                                  "Bytes of the model's weights as stored (quantized or not)")
+        self.spec_acceptance_rate = gauge("pagedllm:spec_decode_acceptance_rate",
+                                          "Accepted / proposed tokens (0-1)")
+        self.spec_mean_accepted_length = gauge(
+            "pagedllm:spec_decode_mean_accepted_length",
+            "Tokens per speculative row and step: accepted proposals + the target's own")
+        self.preemptions = _FromTotal(counter("vllm:num_preemptions",
+                                              "Preemptions since the engine started"))
+        self.prefix_queries = _FromTotal(counter(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache"))
+        self.prefix_hits = _FromTotal(counter(
+            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache"))
+        self.spec_drafts = _FromTotal(counter("vllm:spec_decode_num_drafts",
+                                              "Speculative rows verified (one draft each)"))
+        self.spec_draft_tokens = _FromTotal(counter(
+            "vllm:spec_decode_num_draft_tokens", "Proposed tokens scored by the target model"))
+        self.spec_accepted_tokens = _FromTotal(counter(
+            "vllm:spec_decode_num_accepted_tokens", "Proposed tokens the target model accepted"))
+
+    def _request_metrics(self, max_model_len: int) -> None:
+        self.sequence_errors = self._counter(
+            "pagedllm:sequence_errors",
+            "Sequences that ended with finish_reason error (a grammar limit hit mid-way)")
+        """What the requests' outputs give as they pass."""
+        r, model_name = self.registry, self.model_name
+        counter, histogram = self._counter, self._histogram
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of requests that ran")
+        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated")
+        self._success = Counter("vllm:request_success", "Requests finished, by finish reason",
+                                ["model_name", "finished_reason"], registry=r)
+        for reason in ("stop", "length", "abort"):
+            self._success.labels(model_name, reason)  # every series from the first scrape
+        self.ttft = histogram("vllm:time_to_first_token_seconds",
+                              "Time from arrival to the first generated token", TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds",
+                             "Time between consecutive generated tokens of a request",
+                             ITL_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds",
+                             "Time from arrival to the end of a request", REQUEST_BUCKETS)
+        self.queue_time = histogram("vllm:request_queue_time_seconds",
+                                    "Time from arrival to the first schedule", REQUEST_BUCKETS)
+        self.prefill_time = histogram("vllm:request_prefill_time_seconds",
+                                      "Time from the first schedule to the first token",
+                                      REQUEST_BUCKETS)
+        self.decode_time = histogram("vllm:request_decode_time_seconds",
+                                     "Time from the first token to the end", REQUEST_BUCKETS)
+        self.inference_time = histogram("vllm:request_inference_time_seconds",
+                                        "Time from the first schedule to the end",
+                                        REQUEST_BUCKETS)
+        buckets = token_buckets(max_model_len)
+        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens",
+                                               "Prompt tokens per finished request", buckets)
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens", "Generated tokens per finished request", buckets)
 
     # OutputObserver: called on the event loop for every engine output.
     def on_output(self, output: RequestOutput) -> None:
@@ -87,9 +165,37 @@ class ServerMetrics:
             errors = sum(o.finish_reason == "error" for o in output.outputs)
             if errors:
                 self.sequence_errors.inc(errors)
+            if output.error is None:
+                self._on_finished(output)
+
+    def _on_finished(self, output: RequestOutput) -> None:
+        """A request's totals and latencies once it is done (a pooling request's too: its
+        prompt tokens count here, as it generates none)."""
+        if output.embedding is not None:
+            self.prompt_tokens.inc(len(output.prompt_token_ids))
+            reason = "stop"
+        else:
+            reason = output.outputs[0].finish_reason if output.outputs else "stop"
+        self._success.labels(self.model_name, reason or "stop").inc()
+        self.request_prompt_tokens.observe(len(output.prompt_token_ids))
+        self.request_generation_tokens.observe(sum(len(o.token_ids) for o in output.outputs))
+        m = output.metrics
+        if m is None:
+            return
+        end = m.finished_time or time.monotonic()
+        self.e2e.observe(max(0.0, end - m.arrival_time))
+        if m.first_scheduled_time is not None:
+            self.queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+            self.inference_time.observe(max(0.0, end - m.first_scheduled_time))
+            if m.first_token_time is not None:
+                self.prefill_time.observe(max(0.0, m.first_token_time - m.first_scheduled_time))
+        if m.first_token_time is not None:
+            self.decode_time.observe(max(0.0, end - m.first_token_time))
 
     def on_abort(self, request_id: str) -> None:
+        """A request ended before finishing (its client left, or the engine failed)."""
         self._last_token_time.pop(request_id, None)
+        self._success.labels(self.model_name, "abort").inc()
 
     def render(self, stats) -> bytes:
         """The exposition text, with the gauges read from engine stats now."""
@@ -98,10 +204,13 @@ class ServerMetrics:
         self.num_swapped.set(stats.num_swapped)
         self.kv_cache_usage.set(stats.kv_cache_usage)
         self.prefix_cache_hit_rate.set(stats.prefix_cache_hit_rate)
-        self.num_preemptions.set(stats.num_preemptions)
         self.weight_bytes.set(stats.weight_bytes)
-        self.spec_draft_tokens.set(getattr(stats, "spec_num_draft_tokens", 0))
-        self.spec_accepted_tokens.set(getattr(stats, "spec_num_accepted_tokens", 0))
+        self.preemptions.set_total(stats.num_preemptions)
+        self.prefix_queries.set_total(getattr(stats, "prefix_cache_queries", 0))
+        self.prefix_hits.set_total(getattr(stats, "prefix_cache_hits", 0))
+        self.spec_drafts.set_total(getattr(stats, "spec_num_verified_rows", 0))
+        self.spec_draft_tokens.set_total(getattr(stats, "spec_num_draft_tokens", 0))
+        self.spec_accepted_tokens.set_total(getattr(stats, "spec_num_accepted_tokens", 0))
         self.spec_acceptance_rate.set(getattr(stats, "spec_acceptance_rate", 0.0))
         self.spec_mean_accepted_length.set(getattr(stats, "spec_mean_accepted_length", 0.0))
         return generate_latest(self.registry)
