@@ -44,6 +44,7 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_engine import OpenAIError, PromptTokenizer, SSEResponse
+from pagedllm.entrypoints.web.router import build_web_router
 
 logger = logging.getLogger(__name__)
 
@@ -162,6 +163,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig | None = None) -> Fas
         return DetokenizeResponse(prompt=await tokenizer.decode(body.tokens))
 
     app.include_router(keyed)
+    app.include_router(build_web_router(engine, check_api_key))
 
     @app.get("/health")
     async def health() -> HealthResponse:
