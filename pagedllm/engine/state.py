@@ -1,6 +1,6 @@
 """A snapshot of the engine for people to look at: queues, the KV block pool, counters.
 
-`engine_state(engine)` reads the Scheduler and its BlockSpaceManager and returns plain data
+`engine_state(scheduler)` reads the Scheduler and its BlockSpaceManager and returns plain data
 (dicts, lists, strings) ready for JSON; it never changes them. Call it on the engine's thread,
 between steps (AsyncLLMEngine.run_in_engine_thread), so the tables it reads are consistent.
 
@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pagedllm.engine.block_manager import BlockSpaceManager
-    from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.engine.scheduler import Scheduler
     from pagedllm.engine.sequence import SequenceGroup
 
@@ -31,14 +30,13 @@ BLOCK_CODES = {
 }
 
 
-def engine_state(engine: LLMEngine) -> dict[str, Any]:
-    """The whole snapshot (shape documented in docs/engine_state.md)."""
-    scheduler = engine.scheduler
+def engine_state(scheduler: Scheduler) -> dict[str, Any]:
+    """The whole snapshot of the engine's scheduler (shape: docs/engine_state.md)."""
     bm = scheduler.block_manager
     queues = {
-        "running": _requests(scheduler.running, bm),
-        "waiting": _requests(scheduler.waiting, bm),
-        "swapped": _requests(scheduler.swapped, bm),
+        "running": _entries(scheduler.running, bm),
+        "waiting": _entries(scheduler.waiting, bm),
+        "swapped": _entries(scheduler.swapped, bm),
     }
     gpu, cpu = pool_codes(bm)
     return {
@@ -74,30 +72,27 @@ def pool_codes(bm: BlockSpaceManager) -> tuple[str, str]:
     return gpu.decode(), cpu.decode()
 
 
-def _requests(groups: Iterable[SequenceGroup], bm: BlockSpaceManager) -> list[dict[str, Any]]:
-    return [
-        {
-            "request_id": group.request_id,
-            "arrival_time": group.metrics.arrival_time,
-            "num_prompt_tokens": len(group.prompt_token_ids),
-            "num_cached_tokens": group.num_cached_tokens,
-            "sequences": [_sequence(seq, bm) for seq in group.seqs_dict.values()],
-        }
-        for group in groups
-    ]
+def _entries(groups: Iterable[SequenceGroup], bm: BlockSpaceManager) -> list[dict[str, Any]]:
+    """One entry per sequence of the queue's requests (a request of n samples gives n).
 
-
-def _sequence(seq: Any, bm: BlockSpaceManager) -> dict[str, Any]:
-    table = bm.block_tables.get(seq.seq_id)
-    return {
-        "seq_id": seq.seq_id,
-        "status": seq.status.value,
-        "num_output_tokens": len(seq.output_token_ids),
-        "num_computed_tokens": seq.num_computed_tokens,
-        "device": table[0].device if table else None,
-        # A copy: the manager's own list changes under later steps.
-        "blocks": list(bm.block_number_tables.get(seq.seq_id, ())),
-    }
+    Flat dicts of ints and one list each: building and encoding them is most of the
+    snapshot's cost, so nothing here goes through a property or an Enum."""
+    tables = bm.block_number_tables
+    out = []
+    for group in groups:
+        request_id, cached = group.request_id, group.num_cached_tokens
+        for seq in group.seqs_dict.values():
+            out.append({
+                "request_id": request_id,
+                "seq_id": seq.seq_id,
+                "num_prompt_tokens": len(seq.prompt_token_ids),
+                "num_cached_tokens": cached,
+                "num_output_tokens": len(seq.output_token_ids),
+                "num_computed_tokens": seq.num_computed_tokens,
+                # A copy: the manager's own list changes under later steps.
+                "blocks": list(tables.get(seq.seq_id, ())),
+            })
+    return out
 
 
 def counters(scheduler: Scheduler) -> dict[str, Any]:

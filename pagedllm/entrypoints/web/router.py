@@ -85,7 +85,7 @@ def build_web_router(engine, check_api_key: Callable) -> APIRouter:
     async def get_engine_state() -> Response:
         """The scheduler's queues, the KV block pool and counters, read between two steps
         (docs/engine_state.md)."""
-        state = await engine.run_in_engine_thread(engine_state, engine.engine)
+        state = await engine.run_in_engine_thread(lambda: engine_state(engine.engine.scheduler))
         state["counters"]["generation_tokens"] = counter.total
         return Response(json.dumps(state, separators=(",", ":")),
                         media_type="application/json")

@@ -5,8 +5,6 @@ The route returns the engine's snapshot as it is, without validating it through 
 """
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import BaseModel, Field
 
 from pagedllm.engine.state import BLOCK_CODES
@@ -14,28 +12,24 @@ from pagedllm.engine.state import BLOCK_CODES
 _CODES = "; ".join(f"`{code}` {meaning}" for code, meaning in BLOCK_CODES.items())
 
 
-class SequenceState(BaseModel):
+class QueueEntry(BaseModel):
+    """One sequence of a queued request (a request with n samples has n entries)."""
+
+    request_id: str
     seq_id: int
-    status: Literal["waiting", "running", "swapped", "stop", "length", "abort", "ignored"]
+    num_prompt_tokens: int
+    num_cached_tokens: int = Field(description="prompt tokens its request found in the "
+                                               "prefix cache at admission")
     num_output_tokens: int = Field(description="tokens generated so far")
     num_computed_tokens: int = Field(description="tokens whose K/V are in the cache")
-    device: Literal["gpu", "cpu"] | None = Field(
-        description="pool of its blocks (cpu: swapped out); null without blocks")
-    blocks: list[int] = Field(description="its block table: block numbers in `device`'s pool")
-
-
-class RequestState(BaseModel):
-    request_id: str
-    arrival_time: float = Field(description="monotonic clock of the server process")
-    num_prompt_tokens: int
-    num_cached_tokens: int = Field(description="prompt tokens found in the prefix cache")
-    sequences: list[SequenceState]
+    blocks: list[int] = Field(description="its block table: GPU block numbers (running), "
+                                          "CPU swap block numbers (swapped), empty (waiting)")
 
 
 class Queues(BaseModel):
-    running: list[RequestState]
-    waiting: list[RequestState]
-    swapped: list[RequestState]
+    running: list[QueueEntry]
+    waiting: list[QueueEntry]
+    swapped: list[QueueEntry]
 
 
 class Counters(BaseModel):

@@ -49,19 +49,16 @@ function show(state) {
   previous = state;
 }
 
-// block number -> names of the sequences holding it, per pool
+// block number -> names of the sequences holding it, per pool (swapped ones: the CPU's)
 function blockOwners(state) {
   const owners = { gpu: new Map(), cpu: new Map() };
-  for (const [queue, requests] of Object.entries(state.queues)) {
-    for (const request of requests) {
-      for (const seq of request.sequences) {
-        if (!seq.device) continue;
-        const name = `seq ${seq.seq_id} (request ${request.request_id.slice(0, 12)}, ${queue})`;
-        for (const block of seq.blocks) {
-          const map = owners[seq.device];
-          if (!map.has(block)) map.set(block, []);
-          map.get(block).push(name);
-        }
+  for (const [queue, entries] of Object.entries(state.queues)) {
+    const map = queue === "swapped" ? owners.cpu : owners.gpu;
+    for (const seq of entries) {
+      const name = `seq ${seq.seq_id} (request ${seq.request_id.slice(0, 12)}, ${queue})`;
+      for (const block of seq.blocks) {
+        if (!map.has(block)) map.set(block, []);
+        map.get(block).push(name);
       }
     }
   }
@@ -101,9 +98,10 @@ function countStates(state) {
 
 function showNumbers(state) {
   const c = state.counters;
-  $("n-running").textContent = state.queues.running.length;
-  $("n-waiting").textContent = state.queues.waiting.length;
-  $("n-swapped").textContent = state.queues.swapped.length;
+  const requests = (queue) => new Set(state.queues[queue].map((e) => e.request_id)).size;
+  $("n-running").textContent = requests("running");
+  $("n-waiting").textContent = requests("waiting");
+  $("n-swapped").textContent = requests("swapped");
   $("kv-usage").textContent = (100 * state.kv_cache_usage).toFixed(1) + "%";
   $("n-preemptions").textContent = c.num_preemptions_recompute + c.num_preemptions_swap;
   $("n-hits").textContent = c.prefix_cache_hit_blocks;
@@ -111,13 +109,11 @@ function showNumbers(state) {
 
 function showQueues(state) {
   const rows = [];
-  for (const [queue, requests] of Object.entries(state.queues)) {
-    for (const request of requests) {
-      for (const seq of request.sequences) {
-        rows.push(row([queue, request.request_id, seq.seq_id, request.num_prompt_tokens,
-          request.num_cached_tokens, seq.num_output_tokens, seq.num_computed_tokens,
-          seq.blocks.length ? `${seq.blocks.length} (${seq.device})` : "–"], queue));
-      }
+  for (const [queue, entries] of Object.entries(state.queues)) {
+    for (const seq of entries) {
+      rows.push(row([queue, seq.request_id, seq.seq_id, seq.num_prompt_tokens,
+        seq.num_cached_tokens, seq.num_output_tokens, seq.num_computed_tokens,
+        seq.blocks.length || "–"], queue));
     }
   }
   if (rows.length === 0) rows.push(row(["idle", "", "", "", "", "", "", ""], "idle"));
