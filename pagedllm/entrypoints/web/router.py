@@ -7,10 +7,10 @@ model output could not run even if the page's renderer let some through.
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from importlib import resources
 
+import orjson
 from fastapi import APIRouter, Depends
 from fastapi.responses import Response
 
@@ -87,7 +87,7 @@ def build_web_router(engine, check_api_key: Callable) -> APIRouter:
         (docs/engine_state.md)."""
         state = await engine.run_in_engine_thread(lambda: engine_state(engine.engine.scheduler))
         state["counters"]["generation_tokens"] = counter.total
-        return Response(json.dumps(state, separators=(",", ":")),
-                        media_type="application/json")
+        # orjson: a tenth of the stdlib's time for the ~50 kB of 256 running sequences.
+        return Response(orjson.dumps(state), media_type="application/json")
 
     return router
