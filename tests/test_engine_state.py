@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from pagedllm.benchmarks.engine_state_bench import busy_scheduler, main, run_engine_state_bench
 from pagedllm.engine.state import BLOCK_CODES, engine_state
+from pagedllm.entrypoints.usage import UsageError
 from pagedllm.entrypoints.web.schema import EngineState
 from tests.test_scheduler import add, finish, make_scheduler, step
 
@@ -71,4 +74,5 @@ def test_bench_engine_state(capsys):
     assert 0 < result.snapshot_mean_us <= result.mean_us and result.json_bytes > 1000
     assert main(["--num-seqs", "4", "--num-calls", "2"]) == 0
     assert "engine-state: 4 running seqs" in capsys.readouterr().out
-    assert main(["--num-seqs", "0"]) == 2
+    with pytest.raises(UsageError, match="need num_seqs >= 1"):
+        main(["--num-seqs", "0"])

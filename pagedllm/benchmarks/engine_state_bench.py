@@ -7,11 +7,9 @@ thread between two steps, so its time is time the engine does not step.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -22,6 +20,7 @@ from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.sequence import Sequence, SequenceGroup
 from pagedllm.engine.state import engine_state
+from pagedllm.entrypoints.usage import Parser, UsageError
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -98,7 +97,7 @@ def run_engine_state_bench(num_seqs: int = 256, prompt_len: int = 128, shared_le
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="pagedllm bench engine-state", description=__doc__.split("\n")[0])
+    p = Parser(prog="pagedllm bench engine-state", description=__doc__.split("\n")[0])
     p.add_argument("--num-seqs", type=int, default=256, help="running sequences (default 256)")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--shared-len", type=int, default=64, help="prompt tokens all requests share")
@@ -111,8 +110,7 @@ def main(argv: list[str]) -> int:
         result = run_engine_state_bench(args.num_seqs, args.prompt_len, args.shared_len,
                                         args.num_gpu_blocks, args.num_calls, args.seed)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        raise UsageError(str(exc)) from None
     print(json.dumps(result.to_dict()))
     ms = {k: v / 1000 for k, v in result.to_dict().items() if k.endswith("_us")}
     print(f"engine-state: {result.num_seqs} running seqs, {result.num_gpu_blocks} GPU blocks: "

@@ -197,8 +197,11 @@ function event(text, kind) {
   while (list.childElementCount > 50) list.lastElementChild.remove();
 }
 
-document.getElementById("grid").addEventListener("mouseover", hover);
-document.getElementById("cpu-grid").addEventListener("mouseover", hover);
+for (const id of ["grid", "cpu-grid"]) {
+  $(id).addEventListener("mouseover", hover);
+  $(id).addEventListener("click", hover); // a phone has no hover: a tap names the block
+}
+
 function hover(e) {
   if (e.target.classList.contains("block")) $("hover").textContent = e.target.title;
 }
