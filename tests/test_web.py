@@ -201,11 +201,70 @@ def test_markup_in_model_output_runs_nothing(browser, server):
         assert dialogs == []
 
 
+# Markdown the renderer must keep inert: each case's raw markup must come out as text.
+HOSTILE_MARKDOWN = [
+    '<img src=x onerror="window.pwned=1">',
+    "<script>window.pwned=1</script>",
+    '<a href="javascript:window.pwned=1">click</a>',
+    "[click](javascript:window.pwned=1)",
+    "[click](JaVaScRiPt:window.pwned=1)",
+    "[data](data:text/html,<script>window.pwned=1</script>)",
+    "![image](https://example.com/x.png)",
+    "<iframe src=/ui></iframe> and <svg onload=window.pwned=1>",
+    "**<b onmouseover=window.pwned=1>bold</b>**",
+    "```html\n<script>window.pwned=1</script>\n```",
+    "> <style>body{display:none}</style>",
+    "- item <img src=x onerror=window.pwned=1>\n- `<script>`",
+]
+ALLOWED_TAGS = {"P", "BR", "STRONG", "EM", "CODE", "PRE", "A", "H1", "H2", "H3", "H4", "H5",
+                "H6", "UL", "OL", "LI", "BLOCKQUOTE", "HR"}
+RENDER_IN_PAGE = """async (cases) => {
+  const { renderMarkdown } = await import("/ui/static/markdown.js");
+  return cases.map((text) => {
+    const box = document.createElement("div");
+    box.appendChild(renderMarkdown(text));
+    document.body.appendChild(box);
+    return {tags: [...box.querySelectorAll("*")].map((e) => e.tagName),
+            hrefs: [...box.querySelectorAll("a")].map((a) => a.getAttribute("href")),
+            text: box.textContent};
+  });
+}"""
+
+
+def test_markdown_renderer_keeps_markup_inert(browser, server):
+    """The page's own renderer, in the page, on markup a model could write."""
+    with open_page(browser) as page:
+        page.goto(server.url + "/")
+        results = page.evaluate(RENDER_IN_PAGE, HOSTILE_MARKDOWN + [
+            "# Title\n\nA [link](https://example.com/a?b=1) and *em*.\n\n1. one\n2. two"])
+        page.wait_for_timeout(300)  # an onerror or onload would have run by now
+        assert page.evaluate("typeof window.pwned") == "undefined"
+    for case, result in zip(HOSTILE_MARKDOWN, results):
+        assert set(result["tags"]) <= ALLOWED_TAGS, (case, result)
+        assert all(h.startswith(("https://", "http://", "mailto:")) for h in result["hrefs"])
+        for markup in re.findall(r"<[^>]+>", case):
+            assert markup in result["text"], (case, result)
+    last = results[-1]
+    assert last["tags"] == ["H1", "P", "A", "EM", "OL", "LI", "LI"]
+    assert last["hrefs"] == ["https://example.com/a?b=1"]
+
+
 # ---------------------------------------------------------------------- engine view
 
 
 def grid_count(page, code: str) -> int:
     return page.locator(f"#grid .b-{code}").count()
+
+
+def hover_text(page, code: str, pattern: str) -> str | None:
+    """Hover the first block of state `code`; the hover line if it matches `pattern` (the
+    block may change state between finding and hovering it: callers retry)."""
+    blocks = page.locator(f"#grid .b-{code}")
+    if blocks.count() == 0:
+        return None
+    blocks.first.hover()
+    text = page.inner_text("#hover")
+    return text if re.search(pattern, text) else None
 
 
 def test_engine_view_follows_a_batch(browser, server):
@@ -219,9 +278,8 @@ def test_engine_view_follows_a_batch(browser, server):
         wait_until(lambda: grid_count(page, "u") >= 4, what="used blocks in the grid")
         assert int(page.inner_text("#n-running")) >= 1
         assert page.locator("#queue-rows tr.q-running").count() >= 1
-        used = page.locator("#grid .b-u").first
-        used.hover()
-        assert re.search(r"GPU block \d+: used · seq \d+ \(request \w+", page.inner_text("#hover"))
+        wait_until(lambda: hover_text(page, "u", r"GPU block \d+: used · seq \d+ \(request \w+"),
+                   what="a used block named by its sequence")
         thread.join()
         wait_until(lambda: grid_count(page, "u") == 0 and page.inner_text("#n-running") == "0",
                    what="the grid to empty")
@@ -240,9 +298,9 @@ def test_engine_view_shows_blocks_shared_by_a_prefix(browser, server):
                    what="the first request to decode")
         second = complete(server, prompt, 40, ignore_eos=True)
         wait_until(lambda: grid_count(page, "s") >= 2, what="shared blocks in the grid")
-        shared = page.locator("#grid .b-s").first
-        shared.hover()
-        assert len(re.findall(r"seq \d+", page.inner_text("#hover"))) == 2
+        text = wait_until(lambda: hover_text(page, "s", r"GPU block \d+: shared · seq"),
+                          what="a shared block named by its sequences")
+        assert len(re.findall(r"seq \d+", text)) == 2
         wait_until(lambda: "prefix cache:" in page.inner_text("#events"),
                    what="the prefix-cache hit event")
         second.join()
