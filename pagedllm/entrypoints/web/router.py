@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from importlib import resources
+from typing import TYPE_CHECKING
 
 import orjson
 from fastapi import APIRouter, Depends
@@ -18,6 +19,9 @@ from pagedllm.engine.state import engine_state
 from pagedllm.entrypoints.openai.protocol import ErrorResponse
 from pagedllm.entrypoints.web.schema import EngineState
 from pagedllm.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from pagedllm.engine.async_engine import AsyncLLMEngine
 
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
        "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
@@ -51,9 +55,9 @@ class GenerationCounter:
         pass
 
 
-def build_web_router(engine, check_api_key: Callable) -> APIRouter:
-    """The router of the pages; `engine` is the AsyncLLMEngine, `check_api_key` the app's
-    key dependency (the pages load without a key and ask for it when the API wants one)."""
+def build_web_router(engine: AsyncLLMEngine, check_api_key: Callable) -> APIRouter:
+    """The pages' routes and the engine-state route. `check_api_key` is the app's key
+    dependency: the pages load without a key and ask for one when the API answers 401."""
     files = _static_files()
     counter = GenerationCounter()
     engine.observers.append(counter)

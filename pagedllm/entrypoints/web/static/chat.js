@@ -149,8 +149,9 @@ function statsLine(usage, seconds, stopped, chunks) {
 function requestBody(conversation) {
   const messages = [];
   if (conversation.system.trim()) messages.push({ role: "system", content: conversation.system });
+  // An answer that failed or was stopped before its first token is not sent back.
   for (const m of conversation.messages) {
-    if (!m.error || m.content) messages.push({ role: m.role, content: m.content });
+    if (m.content) messages.push({ role: m.role, content: m.content });
   }
   const body = {
     model: $("model").value || undefined,
