@@ -334,8 +334,8 @@ def test_screenshots_of_both_pages(browser, server):
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     for name, viewport in (("desktop", DESKTOP), ("phone", PHONE)):
         with open_chat(browser, server, viewport) as page:
-            set_extra(page, {"seed": 7}, max_tokens=60)
-            send(page, "Explain PagedAttention in two sentences.")
+            set_extra(page, {"temperature": 0}, max_tokens=90)
+            send(page, "Write a Python function that adds two numbers.")
             page.wait_for_selector(".message.assistant[data-done]")
             page.screenshot(path=str(SCREENSHOTS / f"chat-{name}.png"))
         with open_page(browser, viewport) as page:
