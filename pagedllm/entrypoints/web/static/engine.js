@@ -78,10 +78,10 @@ function drawGrid(grid, codes, owners, pool) {
     const part = codes.slice(first, first + per);
     const code = per === 1 ? part : [...PRIORITY].find((c) => part.includes(c));
     const cell = grid.children[i];
-    const names = [];
-    for (let b = first; b < first + part.length; b++) names.push(...(owners.get(b) || []));
+    const names = new Set(); // a cell of several blocks names each sequence once
+    for (let b = first; b < first + part.length; b++) for (const n of owners.get(b) || []) names.add(n);
     const range = per === 1 ? `${pool} block ${first}` : `${pool} blocks ${first}–${first + part.length - 1}`;
-    const label = `${range}: ${STATE_NAMES[code]}${names.length ? " · " + names.join(", ") : ""}`;
+    const label = `${range}: ${STATE_NAMES[code]}${names.size ? " · " + [...names].join(", ") : ""}`;
     if (cell.className !== "block b-" + code) cell.className = "block b-" + code;
     if (cell.title !== label) cell.title = label;
   }
