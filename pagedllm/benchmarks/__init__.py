@@ -14,5 +14,6 @@ WORKLOAD_HELP = {
     "spec": "speculative decoding (n-gram, draft model) vs plain decoding: tok/s, acceptance",
     "structured": "structured output: per-token cost of grammar masks at batch 1 and 32",
     "serve": "concurrent streaming clients against the OpenAI-compatible server",
+    "engine-state": "cost of one GET /v1/engine/state snapshot at 256 running sequences",
     "load": "LLM(), `pagedllm --help` and `generate` in fresh processes vs transformers' load",
 }

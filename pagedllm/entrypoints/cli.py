@@ -328,6 +328,10 @@ def run_bench(workload: str, argv: list[str]) -> int:
         from pagedllm.benchmarks import load_bench
 
         return load_bench.main(argv)
+    if workload == "engine-state":
+        from pagedllm.benchmarks import engine_state_bench
+
+        return engine_state_bench.main(argv)
     from pagedllm.benchmarks import workloads  # imported here: it pulls in the peers
 
     return workloads.main([workload, *argv])

@@ -51,6 +51,7 @@ from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedllm.entrypoints.openai.serving_engine import OpenAIError, PromptTokenizer, SSEResponse
 from pagedllm.entrypoints.openai.serving_messages import messages_router
 from pagedllm.entrypoints.openai.serving_responses import add_responses_routes
+from pagedllm.entrypoints.web.router import build_web_router
 
 logger = logging.getLogger(__name__)
 
@@ -185,6 +186,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig | None = None) -> Fas
     app.include_router(embedding_router(OpenAIServingEmbedding(engine, tokenizer),
                                         [Depends(check_api_key)],
                                         _documented(400, *key, 404, 413), _cancel_on_disconnect))
+    app.include_router(build_web_router(engine, check_api_key))
 
     @app.get("/health")
     async def health() -> HealthResponse:
