@@ -11,6 +11,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 PREEMPTION_MODES = ("recompute", "swap")
 QUANTIZATIONS = ("gguf", "fp8")  # worker/quantization.py
+CPU_ACTIVATIONS = ("fp32", "int8")  # layers/gguf_linear.py (PackedMatrix.int8_activations)
 
 # Hugging Face `architectures[0]` / `model_type` -> our architecture name.
 HF_ARCHITECTURE_NAMES = {

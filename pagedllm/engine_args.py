@@ -15,7 +15,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from pagedllm.config import (
-    DTYPES, LOAD_FORMATS, PREEMPTION_MODES, QUANTIZATIONS, SpeculativeConfig,
+    CPU_ACTIVATIONS, DTYPES, LOAD_FORMATS, PREEMPTION_MODES, QUANTIZATIONS, SpeculativeConfig,
 )
 from pagedllm.pooling_params import POOLING_TYPES
 
@@ -72,6 +72,10 @@ class EngineArgs:
         None, "gguf: keep a GGUF file's quantized blocks on the CPU (the default for GGUF "
         "files on the CPU with --dtype auto; --dtype float32 dequantizes them); fp8: FP8 "
         "weights on CUDA", QUANTIZATIONS)
+    cpu_activations: str = option(
+        "fp32", "activations of GGUF-packed matmuls on the CPU in decode steps (1-64 rows): "
+        "fp32, or int8 (llama.cpp's Q8_0 blocks of 32, integer dot products; Q4_0, Q4_1 "
+        "and Q8_0 weights)", CPU_ACTIVATIONS)
     device: str = option("auto", "auto | cpu | cuda | cuda:N")
     device_map: str | None = option(
         None, 'layers per device, e.g. "cuda:0:20,cpu:10", or "auto" (by free memory)')
@@ -136,6 +140,9 @@ class EngineArgs:
         if self.quantization not in (None, *QUANTIZATIONS):
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, "
                              f"got {self.quantization!r}")
+        if self.cpu_activations not in CPU_ACTIVATIONS:
+            raise ValueError(f"cpu_activations must be one of {', '.join(CPU_ACTIVATIONS)}, "
+                             f"got {self.cpu_activations!r}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two up to 128, got {self.block_size}")
         if self.num_scheduler_steps is not None and (

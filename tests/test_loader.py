@@ -21,6 +21,7 @@ from pagedllm.loader import (
     preset_names,
 )
 from pagedllm.loader.errors import ModelLoadError
+from pagedllm.loader.fast_tokenizer import FastTokenizer
 from pagedllm.loader.gguf_dequant import dequantize
 from pagedllm.loader.gguf_loader import open_gguf, unpermute_rotary_rows
 
@@ -384,7 +385,8 @@ def test_gguf_tokenizer_is_cached_by_the_header(tmp_path, monkeypatch):
     first = load_tokenizer(str(tmp_path / "a.gguf"))
     tokenizer_module._GGUF_TOKENIZERS.clear()
     again = load_tokenizer(str(tmp_path / "a.gguf"))
-    assert built == ["a.gguf", None]  # converted once, then read from the cache
+    assert built == ["a.gguf"]  # converted once, then read from the cache without transformers
+    assert isinstance(again, FastTokenizer)
     assert len(list((tmp_path / "cache" / "tokenizers").iterdir())) == 1  # no partial entries
     for text in ["hello world<|im_end|>", " héllo\n\tw", "<|im_start|>hi<|im_end|>"]:
         assert again.encode(text) == first.encode(text)

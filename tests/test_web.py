@@ -13,7 +13,7 @@ import pytest
 
 from pagedllm.entrypoints.web.router import CSP
 from pagedllm.entrypoints.web.schema import EngineState
-from tests.test_server import REPO, serve
+from tests.test_server import REPO, scrape, serve
 from tests.web_helpers import DESKTOP, PHONE, SCREENSHOTS, browser_fixture, open_page, wait_until
 
 pytestmark = pytest.mark.slow
@@ -43,8 +43,7 @@ def engine_state(server) -> dict:
 
 
 def num_running(server) -> int:
-    text = httpx.get(server.url + "/metrics").text
-    return int(float(re.search(r"^pagedllm:num_requests_running (\S+)$", text, re.M).group(1)))
+    return int(scrape(server.url)["vllm:num_requests_running"])
 
 
 @contextlib.contextmanager

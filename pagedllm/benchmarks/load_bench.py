@@ -5,7 +5,10 @@ file system's page cache stays warm after the first run), `--repeats` times, int
 the table shows the median and the spread. Rows:
 
     pagedllm --help        the CLI answering, process start to exit
-    LLM()                  `from pagedllm import LLM` and LLM(model), inside the process
+    LLM()                  `from pagedllm import LLM` and LLM(model), inside the process;
+                           the load split into tokenizer, weights (the model built and
+                           loaded), KV cache (sizing and allocation) and the rest, then the
+                           first step (a one-token generate) after it
     pagedllm generate      a short answer end to end, process start to exit
     transformers           AutoTokenizer + AutoModelForCausalLM.from_pretrained of the same
                            model (gguf_file= for a GGUF), fp32, inside the process
@@ -27,10 +30,31 @@ PROMPT = "What is the capital of France?"
 _PAGEDLLM = """
 import json, sys, time
 start = time.perf_counter()
-from pagedllm import LLM
+from pagedllm import LLM, SamplingParams
+from pagedllm.worker import worker
+from pagedllm.loader import resolve
 imported = time.perf_counter()
+phases = {"tokenizer_s": 0.0, "weights_s": 0.0, "kv_cache_s": 0.0}
+
+def timed(owner, name, phase):
+    inner = getattr(owner, name)
+    def wrapper(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            phases[phase + "_s"] += time.perf_counter() - t
+    setattr(owner, name, wrapper)
+
+timed(resolve, "load_tokenizer", "tokenizer")
+timed(worker.Worker, "_load_model", "weights")
+timed(worker.Worker, "_profile_num_blocks", "kv_cache")
+timed(worker, "CacheEngine", "kv_cache")
 llm = LLM(json.loads(sys.argv[1]))
-print(json.dumps({"import_s": imported - start, "load_s": time.perf_counter() - imported}))
+loaded = time.perf_counter()
+llm.generate("hi", SamplingParams(max_tokens=1), use_tqdm=False)
+print(json.dumps({"import_s": imported - start, "load_s": loaded - imported, **phases,
+                  "first_step_s": time.perf_counter() - loaded}))
 """
 
 _TRANSFORMERS = """
@@ -116,8 +140,10 @@ def format_table(rows: list[dict]) -> str:
         s = row.get(key)
         return "-" if s is None else f"{s['median_s']:.2f} ({s['min_s']:.2f}-{s['max_s']:.2f})"
 
-    header = ["", "process wall s", "import s", "load s"]
-    cells = [[r["name"], cell(r, "process"), cell(r, "import"), cell(r, "load")] for r in rows]
+    keys = ["process", "import", "load", "tokenizer", "weights", "kv_cache", "first_step"]
+    header = ["", "process wall s", "import s", "load s", "tokenizer s", "weights s",
+              "KV cache s", "first step s"]
+    cells = [[r["name"], *(cell(r, k) for k in keys)] for r in rows]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(header)]
     lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w)
                        for i, (h, w) in enumerate(zip(header, widths)))]

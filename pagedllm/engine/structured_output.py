@@ -59,9 +59,24 @@ class _Fresh:
     handed: int = 0
 
 
-def ll_tokenizer(tokenizer: Any, eos_token_ids: list[int]) -> Any:
-    import llguidance.hf
+def _from_backend(tokenizer: Any, eos: list[int] | None) -> Any:
+    """llguidance.hf.from_tokenizer's own steps on the Rust tokenizer, which a FastTokenizer
+    and a transformers fast tokenizer both carry (llguidance.hf imports transformers)."""
+    from copy import copy
 
+    from llguidance import LLTokenizer
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise ValueError("Only fast tokenizers are supported")
+    backend = copy(backend)
+    backend.no_padding()
+    backend.no_truncation()
+    return LLTokenizer(backend.to_str(), eos_token=eos if eos is not None
+                       else tokenizer.eos_token_id)
+
+
+def ll_tokenizer(tokenizer: Any, eos_token_ids: list[int]) -> Any:
     key = (id(tokenizer), tuple(sorted(eos_token_ids)))
     entry = _LL_TOKENIZERS.get(key)
     if entry is None:
@@ -71,7 +86,7 @@ def ll_tokenizer(tokenizer: Any, eos_token_ids: list[int]) -> Any:
         # with a smaller tokenizer) has no token to end a grammar with: it is masked anyway.
         eos = sorted(i for i in eos_token_ids if i < len(tokenizer)) or None
         try:
-            ll = llguidance.hf.from_tokenizer(tokenizer, eos_token=eos)
+            ll = _from_backend(tokenizer, eos)
         except ValueError as e:
             raise ValueError(f"structured output: {e}") from None
         entry = _LL_TOKENIZERS[key] = (tokenizer, ll)

@@ -113,6 +113,14 @@ class PackedMatrix(nn.Module):
         self.register_buffer("qweight", torch.empty(sum(s.nbytes for s in parts),
                                                     dtype=torch.uint8))
         self.loaded = [False] * len(parts)
+        self.set_int8_activations(False)
+
+    def set_int8_activations(self, on: bool) -> None:
+        """8-bit activations (llama.cpp's Q8_0) in the packed matmul, for the segments whose
+        type has that path (kernels/cpu/quant.py INT8_TYPES); fp32 activations elsewhere."""
+        self.int8_activations = on
+        # the qtype each segment's kernel call passes, flag included (the per-token path)
+        self.kernel_qtypes = [quant.kernel_qtype(s.qtype, on) for s in self.segments]
 
     def load_packed(self, part: int, packed: PackedWeight) -> None:
         """Copy part `part` (a shard of a fused projection, else 0) in from the file."""
@@ -146,8 +154,8 @@ class PackedMatrix(nn.Module):
         if rows.shape[0] <= MAX_PACKED_ROWS:
             out = torch.empty(rows.shape[0], self.out_features)
             base = self.qweight.data_ptr()
-            for s in self.segments:  # bounds checked at load; this is the per-token path
-                quant.matmul_unchecked(out, rows, base + s.offset, s.qtype, s.rows, s.start)
+            for s, qtype in zip(self.segments, self.kernel_qtypes):  # checked at load
+                quant.matmul_unchecked(out, rows, base + s.offset, qtype, s.rows, s.start)
         else:
             out = self._blas_matmul(rows)
         return out.reshape(*x.shape[:-1], self.out_features)
@@ -180,7 +188,8 @@ class PackedMatrix(nn.Module):
 
     def extra_repr(self) -> str:
         types = "+".join(quant.QuantType(s.qtype).name for s in self.parts)
-        return f"in_features={self.in_features}, out_features={self.out_features}, {types}"
+        acts = ", int8 activations" if self.int8_activations else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, {types}{acts}"
 
 
 class GGUFLinear(PackedMatrix):

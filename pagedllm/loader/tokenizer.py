@@ -1,4 +1,9 @@
-"""Tokenizers (with their chat templates) through transformers: HF files, GGUF metadata or hub."""
+"""Tokenizers (with their chat templates): HF files, GGUF metadata or hub.
+
+Folders that `tokenizers` alone reads the way transformers does load as a FastTokenizer
+(milliseconds, no transformers import); the others, and the first build of a GGUF's
+tokenizer, go through transformers' AutoTokenizer.
+"""
 from __future__ import annotations
 
 import hashlib
@@ -11,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from pagedllm.loader import hub
 from pagedllm.loader.errors import ModelLoadError, first_line
+from pagedllm.loader.fast_tokenizer import FastTokenizer
 from pagedllm.loader.gguf_loader import file_key, open_gguf
 
 if TYPE_CHECKING:
@@ -18,7 +24,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_GGUF_TOKENIZERS: dict[tuple[str, int, int], PreTrainedTokenizerBase] = {}
+Tokenizer = "FastTokenizer | PreTrainedTokenizerBase"
+_GGUF_TOKENIZERS: dict[tuple[str, int, int], Tokenizer] = {}
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -27,22 +34,32 @@ def has_tokenizer_files(folder: str | Path) -> bool:
     return any((Path(folder) / name).is_file() for name in TOKENIZER_FILES)
 
 
-def _gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+def _from_folder(folder: Path) -> Tokenizer:
+    fast = FastTokenizer.from_folder(folder)
+    if fast is not None:
+        return fast
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def _gguf_tokenizer(path: Path) -> Tokenizer:
     """transformers' tokenizer of a GGUF, saved once under the cache directory.
 
     transformers builds it from the GGUF's vocabulary, merges and chat template after
-    parsing the whole file again (5-10 s on 2 cores); the saved tokenizer.json loads in a
-    fraction of a second. The cache key is a hash of the file's header (everything but the
-    tensor data: the tokenizer's only source) and of the transformers version.
+    parsing the whole file again (5-10 s on 2 cores); the saved tokenizer.json loads in
+    milliseconds (through `tokenizers` alone). The cache key is a hash of the file's header
+    (everything but the tensor data: the tokenizer's only source) and of the transformers
+    version.
     """
-    from transformers import AutoTokenizer
-
     folder = _cache_folder(path)
     if (folder / "tokenizer_config.json").is_file():
         try:
-            return AutoTokenizer.from_pretrained(str(folder))
+            return _from_folder(folder)
         except Exception as e:  # a damaged entry: rebuild it
             logger.warning("ignoring the cached tokenizer in %s (%s)", folder, first_line(e))
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
@@ -55,23 +72,23 @@ def _gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
             shutil.rmtree(tmp, ignore_errors=True)
     except OSError as e:  # e.g. a read-only home: it works, only slower next time
         logger.warning("cannot cache the tokenizer in %s (%s)", folder, first_line(e))
-    return tokenizer
+        return tokenizer
+    # The saved entry, as every later process reads it (one tokenizer class per file).
+    return FastTokenizer.from_folder(folder) or tokenizer
 
 
 def _cache_folder(path: Path) -> Path:
-    import transformers
+    from importlib.metadata import version  # not transformers.__version__: no import
 
     reader = open_gguf(str(path))
-    digest = hashlib.sha256(transformers.__version__.encode())
+    digest = hashlib.sha256(version("transformers").encode())
     digest.update(bytes(reader.data[: reader.data_offset]))
     root = os.environ.get("PAGEDLLM_CACHE_DIR") or Path.home() / ".cache" / "pagedllm"
     return Path(root) / "tokenizers" / digest.hexdigest()[:32]
 
 
-def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+def load_tokenizer(path: str) -> Tokenizer:
     """From a .gguf file, a directory (tokenizer files, or a single .gguf) or a hub id."""
-    from transformers import AutoTokenizer
-
     p = Path(path).expanduser()
     if p.is_dir():
         if not has_tokenizer_files(p):
@@ -93,7 +110,7 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
             if key not in _GGUF_TOKENIZERS:
                 _GGUF_TOKENIZERS[key] = _gguf_tokenizer(p)
             return _GGUF_TOKENIZERS[key]
-        return AutoTokenizer.from_pretrained(str(p))
+        return _from_folder(p)
     except ModelLoadError:
         raise
     except Exception as e:

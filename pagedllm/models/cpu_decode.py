@@ -89,7 +89,8 @@ def _supports(model: nn.Module) -> bool:
 def _projection(p: GGUFLinear) -> fused_decode.PackedProjection:
     base = p.qweight.data_ptr()
     return fused_decode.PackedProjection(
-        tuple((base + s.offset, s.qtype, s.start, s.rows) for s in p.segments),
+        tuple((base + s.offset, qtype, s.start, s.rows)
+              for s, qtype in zip(p.segments, p.kernel_qtypes)),
         p.in_features, p.out_features)
 
 

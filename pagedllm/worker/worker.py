@@ -17,7 +17,7 @@ from pagedllm.distributed import parallel_state as ps
 from pagedllm.distributed.communication import all_reduce_min
 from pagedllm.engine_args import EngineArgs
 from pagedllm.kernels.metadata import PagedAttentionInputMetadata, slots_for
-from pagedllm.layers.gguf_linear import unloaded_parts
+from pagedllm.layers.gguf_linear import is_packed, unloaded_parts
 from pagedllm.loader import initialize_dummy_weights, load_model_source
 from pagedllm.loader.gguf_loader import packed_tensor_types
 from pagedllm.models.device_map import DeviceMap
@@ -211,6 +211,10 @@ class Worker:
         if missing:
             raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:5])}")
         if keep_packed:
+            if args.cpu_activations == "int8":
+                for m in model.modules():
+                    if is_packed(m):
+                        m.set_int8_activations(True)
             logger.info(describe_gguf(model))
         if self.quantization == "fp8":
             logger.info("%d linears quantized to FP8 E4M3 (per-channel scales)",

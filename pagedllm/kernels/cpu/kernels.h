@@ -6,6 +6,9 @@
 
 #include <stdint.h>
 
+/* Or'ed into gguf_matmul_f32's qtype: 8-bit activations where quant.c has them. */
+#define GGUF_INT8_ACTIVATIONS 0x100
+
 void gguf_matmul_f32(float *out, int64_t ldo, const float *x, int64_t ldx, int64_t rows,
                      const uint8_t *w, int64_t qtype, int64_t n, int64_t k,
                      int64_t num_threads);

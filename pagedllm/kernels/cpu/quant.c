@@ -824,12 +824,210 @@ static void int_matmul(float *out, int64_t ldo, const float *x, int64_t ldx, int
 }
 #endif
 
+#ifdef QUANT_AVX2
+/* ---- 8-bit activations (llama.cpp's method, --cpu-activations int8) for Q4_0, Q4_1 and
+ * Q8_0 weights, 1 to 64 rows. Each activation row is quantized per block of 32 as Q8_0:
+ * dx = max|x| / 127, qx = round-half-even(x * (1 / dx)) in int8, kept with dx in fp32 and
+ * sx = dx * sum(qx) (Q8_1's sum, for Q4_0's -8 and Q4_1's min). A block's 32 products are
+ * exact integer sums: Q4 nibbles are already unsigned bytes (maddubs: u8 x s8, pairs to
+ * int16, at most 2 * 15 * 127), Q8_0 weights are made unsigned by moving their sign onto
+ * the activations (at most 2 * 128 * 127); madd with ones then sums to int32, or one VNNI
+ * dpbusd does both where the CPU has it (AVX-VNNI or AVX512-VNNI, which this library is
+ * then built with: -march=native on the machine that runs it). Per block, in fp32:
+ *   y += (d * dx) * sum(w_q * qx) + off * sx     (off: Q4_0 -8d, Q4_1 m, Q8_0 none)
+ * The error against fp32 activations is that of rounding x to qx (at most dx / 2 each). */
+
+#define Q8_MAX_ROWS 64
+
+static void quantize_row_q8(const float *x, int64_t k, int8_t *q, float *d, float *s) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t b = 0; b < k / 32; b++) {
+        const float *xb = x + 32 * b;
+        __m256 v[4], amax = _mm256_setzero_ps();
+        for (int t = 0; t < 4; t++) {
+            v[t] = _mm256_loadu_ps(xb + 8 * t);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[t]));
+        }
+        __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        m = _mm_max_ss(m, _mm_movehdup_ps(m));
+        const float dx = _mm_cvtss_f32(m) / 127.0f, id = dx > 0.0f ? 1.0f / dx : 0.0f;
+        __m256i i[4];
+        for (int t = 0; t < 4; t++)
+            i[t] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[t], _mm256_set1_ps(id)),
+                                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        const __m256i sum32 = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]),
+                                               _mm256_add_epi32(i[2], i[3]));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum32), _mm256_extracti128_si256(sum32, 1));
+        s4 = _mm_hadd_epi32(s4, s4);
+        s4 = _mm_hadd_epi32(s4, s4);
+        /* the packs work within 128-bit lanes: a permute of 32-bit groups restores k order */
+        const __m256i p16 = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]),
+                                               _mm256_packs_epi32(i[2], i[3]));
+        _mm256_storeu_si256((__m256i *)(q + 32 * b),
+                            _mm256_permutevar8x32_epi32(p16, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        d[b] = dx;
+        s[b] = dx * (float)_mm_cvtsi128_si32(s4);
+    }
+}
+
+/* out q [rows, k] int8, d and s [rows, k / 32]: the activations as the int8 path sees them
+ * (tests compare them with an emulation). */
+void gguf_quantize_q8_f32(int8_t *q, float *d, float *s, const float *x, int64_t ldx,
+                          int64_t rows, int64_t k) {
+    for (int64_t r = 0; r < rows; r++)
+        quantize_row_q8(x + r * ldx, k, q + r * k, d + r * (k / 32), s + r * (k / 32));
+}
+
+/* 8 int32 partial sums of u[i] * v[i] over 32 unsigned bytes u and signed bytes v */
+static inline __m256i dot_u8s8(__m256i u, __m256i v) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, v);
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, v);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, v), _mm256_set1_epi16(1));
+#endif
+}
+
+/* Block j of a weight row: its 32 values as unsigned bytes (Q8_0: |w|, the sign kept in
+ * *sign for the activations), its scale and its offset factor. */
+static inline __attribute__((always_inline)) __m256i q8_weight_block(
+        int64_t QT, const uint8_t *row, int64_t j, __m256i *sign, float *d, float *off) {
+    if (QT == Q8_0) {
+        const uint8_t *b = row + j * 34;
+        *d = fp16_to_fp32(b);
+        *off = 0.0f;
+        const __m256i w = _mm256_loadu_si256((const __m256i *)(b + 2));
+        *sign = w;
+        return _mm256_sign_epi8(w, w);
+    }
+    const uint8_t *b = row + j * (QT == Q4_0 ? 18 : 20);
+    if (QT == Q4_0) {
+        *d = fp16_to_fp32(b);
+        *off = -8.0f * *d;
+    } else {
+        fp16x2_to_fp32(b, d, off);
+    }
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)(b + (QT == Q4_0 ? 2 : 4)));
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    /* values 0-15 are the low nibbles, 16-31 the high ones */
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask),
+                            _mm_and_si128(bytes, mask));
+}
+
+/* Block j of one weight row against NR quantized activation rows, into acc[r], corr[r]. */
+static inline __attribute__((always_inline)) void q8_block(int64_t QT, const uint8_t *row,
+                                                           int64_t j, const int8_t *xq,
+                                                           const float *xd, const float *xs,
+                                                           int64_t k, int NR, __m256 *acc,
+                                                           float *corr) {
+    const int64_t nb = k / 32;
+    __m256i sign = _mm256_setzero_si256();
+    float d, off;
+    const __m256i w = q8_weight_block(QT, row, j, &sign, &d, &off);
+    for (int r = 0; r < NR; r++) {
+        __m256i x = _mm256_loadu_si256((const __m256i *)(xq + r * k + 32 * j));
+        if (QT == Q8_0) x = _mm256_sign_epi8(x, sign);
+        const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(w, x));
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd[r * nb + j]), p, acc[r]);
+        if (QT != Q8_0) corr[r] = fmaf(off, xs[r * nb + j], corr[r]);
+    }
+}
+
+/* One weight row against NR quantized activation rows (NR <= 8), into out[r * ldo]. Up to
+ * 4 rows, even and odd blocks go to separate accumulators, so that consecutive blocks do
+ * not wait on each other's FMA. */
+static inline __attribute__((always_inline)) void q8_rows(int64_t QT, const uint8_t *row,
+                                                          const int8_t *xq, const float *xd,
+                                                          const float *xs, int64_t k, int NR,
+                                                          float *out, int64_t ldo) {
+    __m256 acc[8];
+    float corr[8];
+    const int pairs = NR <= 4, width = pairs ? 2 * NR : NR;
+    for (int r = 0; r < width; r++) {
+        acc[r] = _mm256_setzero_ps();
+        corr[r] = 0.0f;
+    }
+    const int64_t nb = k / 32;
+    int64_t j = 0;
+    if (pairs) {
+        for (; j + 2 <= nb; j += 2) {
+            q8_block(QT, row, j, xq, xd, xs, k, NR, acc, corr);
+            q8_block(QT, row, j + 1, xq, xd, xs, k, NR, acc + NR, corr + NR);
+        }
+    }
+    for (; j < nb; j++) q8_block(QT, row, j, xq, xd, xs, k, NR, acc, corr);
+    for (int r = 0; r < NR; r++) {
+        const __m256 a = pairs ? _mm256_add_ps(acc[r], acc[NR + r]) : acc[r];
+        out[r * ldo] = hsum256(a) + (pairs ? corr[r] + corr[NR + r] : corr[r]);
+    }
+}
+
+#define Q8_ROWS_CASES(QT)                                                                    \
+    switch (nr) {                                                                            \
+    case 1: q8_rows(QT, row, xq, xd, xs, k, 1, o, ldo); break;                               \
+    case 2: q8_rows(QT, row, xq, xd, xs, k, 2, o, ldo); break;                               \
+    case 3: q8_rows(QT, row, xq, xd, xs, k, 3, o, ldo); break;                               \
+    case 4: q8_rows(QT, row, xq, xd, xs, k, 4, o, ldo); break;                               \
+    case 5: q8_rows(QT, row, xq, xd, xs, k, 5, o, ldo); break;                               \
+    case 6: q8_rows(QT, row, xq, xd, xs, k, 6, o, ldo); break;                               \
+    case 7: q8_rows(QT, row, xq, xd, xs, k, 7, o, ldo); break;                               \
+    default: q8_rows(QT, row, xq, xd, xs, k, 8, o, ldo); break;                              \
+    }
+
+static void q8_matmul(float *out, int64_t ldo, const float *x, int64_t ldx, int64_t rows,
+                      const uint8_t *w, int64_t qtype, int64_t n, int64_t k,
+                      int64_t num_threads) {
+    const int64_t row_bytes = gguf_row_bytes(qtype, k), nb = k / 32;
+    int8_t *qbuf = malloc((size_t)(rows * k) + 64);
+    float *dbuf = malloc(sizeof(float) * (size_t)(2 * rows * nb) + 64);
+    if (qbuf == NULL || dbuf == NULL) {
+        free(qbuf);
+        free(dbuf);
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t j = 0; j < n; j++) out[r * ldo + j] = NAN; /* never silently wrong */
+        return;
+    }
+    gguf_quantize_q8_f32(qbuf, dbuf, dbuf + rows * nb, x, ldx, rows, k);
+    const float *sbuf = dbuf + rows * nb;
+    /* each weight row meets the activation rows 8 at a time; its bytes stay in L1 */
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (n * k >= 65536)
+    for (int64_t j = 0; j < n; j++) {
+        const uint8_t *row = w + j * row_bytes;
+        for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+            const int nr = rows - r0 < 8 ? (int)(rows - r0) : 8;
+            const int8_t *xq = qbuf + r0 * k;
+            const float *xd = dbuf + r0 * nb, *xs = sbuf + r0 * nb;
+            float *o = out + r0 * ldo + j;
+            switch (qtype) {
+            case Q8_0: Q8_ROWS_CASES(Q8_0) break;
+            case Q4_0: Q8_ROWS_CASES(Q4_0) break;
+            default: Q8_ROWS_CASES(Q4_1) break;
+            }
+        }
+    }
+#undef Q8_ROWS_CASES
+    free(qbuf);
+    free(dbuf);
+}
+#endif
+
 /* out[r * ldo + j] = x[r] . W[j] for the activation rows x [rows, ldx] (k
- * used) and the n packed rows of W; out may be a column slice of a wider output. */
+ * used) and the n packed rows of W; out may be a column slice of a wider output. qtype
+ * with GGUF_INT8_ACTIVATIONS set takes the 8-bit activation path where it applies (AVX2,
+ * Q4_0 / Q4_1 / Q8_0, at most 64 rows), else the fp32-activation one. */
 void gguf_matmul_f32(float *out, int64_t ldo, const float *x, int64_t ldx, int64_t rows,
                      const uint8_t *w, int64_t qtype, int64_t n, int64_t k,
                      int64_t num_threads) {
+    const int int8_activations = (qtype & GGUF_INT8_ACTIVATIONS) != 0;
+    qtype &= ~(int64_t)GGUF_INT8_ACTIVATIONS;
 #ifdef QUANT_AVX2
+    if (int8_activations && rows <= Q8_MAX_ROWS &&
+        (qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0)) {
+        q8_matmul(out, ldo, x, ldx, rows, w, qtype, n, k, num_threads);
+        return;
+    }
     if (rows <= INT_MAX_ROWS) {
         int_matmul(out, ldo, x, ldx, rows, w, qtype, n, k, num_threads);
         return;

@@ -19,6 +19,13 @@ QuantType = gguf.GGMLQuantizationType
 SUPPORTED_TYPES = frozenset({QuantType.Q8_0, QuantType.Q4_0, QuantType.Q4_1, QuantType.Q4_K,
                              QuantType.Q6_K})
 
+# Or'ed into a kernel's qtype (kernels.h): 8-bit activations (llama.cpp's Q8_0 blocks of 32,
+# integer dot products) for these weight types, at most INT8_MAX_ROWS rows; other calls
+# keep fp32 activations.
+INT8_ACTIVATIONS = 0x100
+INT8_TYPES = frozenset({QuantType.Q4_0, QuantType.Q4_1, QuantType.Q8_0})
+INT8_MAX_ROWS = 64
+
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES = {
     "gguf_dequantize_f32": ([_ptr, _ptr] + [_i64] * 4, None),
@@ -26,6 +33,7 @@ _SIGNATURES = {
                               _i64, _i64], _i64),
     "gguf_get_rows_f32": ([_ptr, _ptr, _i64, _i64, _ptr, _i64, _i64], None),
     "gguf_matmul_f32": ([_ptr, _i64, _ptr, _i64, _i64, _ptr] + [_i64] * 4, None),
+    "gguf_quantize_q8_f32": ([_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64], None),
 }
 
 
@@ -107,10 +115,30 @@ def matmul_unchecked(out: torch.Tensor, x: torch.Tensor, weight_ptr: int, qtype:
                                torch.get_num_threads())
 
 
+def kernel_qtype(qtype: int, int8_activations: bool) -> int:
+    """The qtype a matmul call passes: with the int8 flag where the type has that path."""
+    return int(qtype) | INT8_ACTIVATIONS if int8_activations and qtype in INT8_TYPES \
+        else int(qtype)
+
+
+def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The int8 path's activations: (q int8 [rows, k], d fp32 [rows, k / 32], s = d * sum(q)
+    per block), as quant.c computes them (AVX2 builds only)."""
+    rows, k = x.shape
+    if x.dtype != torch.float32 or x.stride(-1) != 1 or k % 32:
+        raise ValueError("quantize_q8 takes fp32 rows of whole blocks of 32, contiguous")
+    q = torch.empty(rows, k, dtype=torch.int8)
+    d, s = torch.empty(rows, k // 32), torch.empty(rows, k // 32)
+    _kernel("gguf_quantize_q8_f32")(q.data_ptr(), d.data_ptr(), s.data_ptr(), x.data_ptr(),
+                                    x.stride(0), rows, k)
+    return q, d, s
+
+
 def matmul(x: torch.Tensor, packed: torch.Tensor, qtype: int, n: int,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+           out: torch.Tensor | None = None, int8_activations: bool = False) -> torch.Tensor:
     """x [rows, k] fp32 times the packed [n, k] weight, transposed: [rows, n]. `out` may be
-    a column slice of a wider [rows, *] tensor."""
+    a column slice of a wider [rows, *] tensor. int8_activations: llama.cpp's 8-bit
+    activations where they apply (kernel_qtype), else fp32."""
     rows, k = x.shape
     _check(packed, qtype, n, k)
     if x.dtype != torch.float32 or x.stride(-1) != 1:
@@ -120,7 +148,8 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, qtype: int, n: int,
     elif out.shape != (rows, n) or out.dtype != torch.float32 or out.stride(-1) != 1:
         raise ValueError(f"out must be fp32 [{rows}, {n}] with contiguous rows")
     _kernel("gguf_matmul_f32")(out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), rows,
-                               packed.data_ptr(), int(qtype), n, k, torch.get_num_threads())
+                               packed.data_ptr(), kernel_qtype(qtype, int8_activations), n, k,
+                               torch.get_num_threads())
     return out
 
 
