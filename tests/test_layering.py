@@ -17,6 +17,7 @@ import pagedllm
 
 ROOT = Path(pagedllm.__file__).parent
 GROUND_FLOOR = {"pagedllm.config", "pagedllm.outputs", "pagedllm.sampling_params",
+                "pagedllm.contract",
                 "pagedllm.pooling_params",
                 "pagedllm.structured_grammar",
                 "pagedllm.engine_args"}

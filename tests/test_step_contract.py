@@ -1,4 +1,4 @@
-"""The plain step contract between engine and worker (worker/inputs.py): the worker builds its
+"""The plain step contract between engine and worker (pagedllm/contract.py): the worker builds its
 own state from the batches' deltas, batches survive pickling (tensor parallelism will send
 them to other ranks), and async scheduling (the next decode window launched before the
 running one's samples are read) gives the synchronous results."""
@@ -17,7 +17,7 @@ from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.sequence import Sequence, SequenceGroup
 from pagedllm.loader import initialize_dummy_weights
 from pagedllm.models.registry import build_model
-from pagedllm.worker.inputs import Fork, NewSequence, StepBatch
+from pagedllm.contract import Fork, NewSequence, StepBatch
 from pagedllm.worker.model_runner import ModelRunner
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived"

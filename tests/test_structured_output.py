@@ -338,7 +338,7 @@ def test_worker_applies_a_pickled_bitmask_to_its_rows_only(tiny):
     ids, the other rows sample what they sample without a mask."""
     import pickle
 
-    from pagedllm.worker.inputs import NewSequence, StepBatch
+    from pagedllm.contract import NewSequence, StepBatch
 
     def run(mask):
         runner, caches = make_runner(tiny)

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.contract import SampleResult, SpecStats, StepBatch, StepResult
 from pagedllm.engine_args import EngineArgs
 from pagedllm.engine.batch_builder import StepBatchBuilder
 from pagedllm.engine.detokenizer import Detokenizer, find_stop_string
@@ -23,11 +24,9 @@ from pagedllm.engine.pooling import finish_pooling, pooling_output
 from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
 from pagedllm.engine.sequence import Logprob, Sequence, SequenceGroup, SequenceStatus
 from pagedllm.engine.structured_output import StructuredOutputManager
-from pagedllm.layers.sampler import SampleResult
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.inputs import StepBatch, StepResult
 from pagedllm.worker.model_runner import PendingStep
 from pagedllm.worker.tp_worker import create_worker
 
@@ -125,15 +124,14 @@ class _SampleColumns:
 
 def _sample_columns(result: StepResult, wanted: bool) -> _SampleColumns:
     """Empty unless `wanted` (offline: streamed text appends token by token)."""
-    if result.sampled is None or not wanted:
+    if result.token_ids is None or not wanted:
         return _SampleColumns([], [], {})
     first, index = {}, 0
     for seq_id, n in zip(result.seq_ids, result.num_samples):
         if n == 1 and seq_id not in result.num_spec_tokens:
             first[seq_id] = index
         index += n
-    sampled = result.sampled
-    return _SampleColumns(sampled[:, :, 0].long().T.tolist(), sampled[:, :, 1].T.tolist(), first)
+    return _SampleColumns(result.token_ids.T.tolist(), result.logprobs.T.tolist(), first)
 
 
 def _has_running(out: SchedulerOutput) -> bool:
@@ -145,19 +143,20 @@ class LLMEngine:
         self.args = args
         self.worker = create_worker(args)
         weakref.finalize(self, _unfreeze_heap)
+        self.info = info = self.worker.info()
         self.model_config = self.worker.model_config
         self.tokenizer = self.worker.tokenizer
         # The names the server answers to; the first is the one its responses carry.
-        self.served_model_names = args.served_model_names() or [self.worker.source_name]
+        self.served_model_names = args.served_model_names() or [info.source_name]
         self.model_name = self.served_model_names[0]
-        self.max_model_len = self.worker.max_model_len
+        self.max_model_len = info.max_model_len
         self.block_size = args.block_size
         self.cache_config = CacheConfig(
             block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching
         )
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=self.worker.max_num_batched_tokens,
+            max_num_batched_tokens=info.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             enable_chunked_prefill=args.enable_chunked_prefill,
             preemption_mode=args.preemption_mode,
@@ -165,18 +164,18 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.scheduler_config,
             self.cache_config,
-            self.worker.num_gpu_blocks,
-            self.worker.num_cpu_blocks,
+            info.num_gpu_blocks,
+            info.num_cpu_blocks,
         )
         self.detokenizer = Detokenizer(self.tokenizer)
-        self.eos_token_ids = set(self.worker.eos_token_ids)
+        self.eos_token_ids = set(info.eos_token_ids)
         self.requests: dict[str, SequenceGroup] = {}
         self._seq_ids = itertools.count()
         # Streaming (the server) wants text and an output every step; offline generation
         # (LLM.generate) only wants finished requests, and text once at the end, which
         # saves a detokenization per sequence per step.
         self.stream_outputs = True
-        on_cuda = self.worker.device_map.input_device.type == "cuda"
+        on_cuda = info.on_cuda
         steps = args.num_scheduler_steps
         if steps is None:
             steps = 8 if on_cuda else 1
@@ -192,10 +191,10 @@ class LLMEngine:
         spec = args.speculative_config
         self.spec_batch_limit = None if spec is None else (
             spec.disable_by_batch_size or SPEC_BATCH_LIMIT["cuda" if on_cuda else "cpu"])
-        self.spec_counts = [0, 0, 0]  # draft tokens, accepted tokens, verified rows
+        self.spec_stats = SpecStats()
         # Grammar matchers of requests with structured_outputs (engine/structured_output.py).
         self.structured = StructuredOutputManager(
-            self.tokenizer, self.worker.eos_token_ids, self.model_config.vocab_size,
+            self.tokenizer, list(info.eos_token_ids), self.model_config.vocab_size,
             pin_masks=on_cuda)
 
     @classmethod
@@ -236,10 +235,10 @@ class LLMEngine:
         params.check_dimensions(self.model_config.hidden_size, self.model_name)
         prompt_text, ids = self._tokenize(prompt, room=0)
         need = math.ceil(len(ids) / self.block_size)
-        if need > self.worker.num_gpu_blocks:
+        if need > self.info.num_gpu_blocks:
             raise ValueError(
                 f"the prompt needs {need * self.block_size} tokens of KV cache for its "
-                f"forward but the cache holds only {self.worker.num_gpu_blocks * self.block_size}")
+                f"forward but the cache holds only {self.info.num_gpu_blocks * self.block_size}")
         seq = Sequence(next(self._seq_ids), ids, self.block_size)
         # The sampling params only steer the scheduler: one step, nothing sampled.
         group = SequenceGroup(request_id, [seq], SamplingParams(max_tokens=1), prompt_text,
@@ -290,7 +289,7 @@ class LLMEngine:
         bs = self.block_size
         samples = max(params.n, params.best_of or params.n)
         need = math.ceil(len(ids) / bs) + samples * (math.ceil(max_tokens / bs) + 1)
-        have = self.worker.num_gpu_blocks
+        have = self.info.num_gpu_blocks
         if need > have:
             raise ValueError(
                 f"the request needs up to {need * bs} tokens of KV cache "
@@ -328,7 +327,7 @@ class LLMEngine:
         if running is None:
             speculate = self._speculation_on()
             out = self.scheduler.schedule(1 if speculate else self.num_scheduler_steps,
-                                          structured_ok=self.worker.defers_token_bitmask)
+                                          structured_ok=self.info.defers_token_bitmask)
             for group in out.ignored_seq_groups:
                 outputs.append(self._ignored_output(group))
                 self._forget(group)
@@ -343,7 +342,7 @@ class LLMEngine:
                                           self._speculation_on()):
             after = self.scheduler.schedule_continuation(
                 running.out, self.num_scheduler_steps,
-                structured_ok=self.worker.defers_token_bitmask)
+                structured_ok=self.info.defers_token_bitmask)
             if after is not None:
                 self._in_flight = self._launch(after, defer_masks=True)
         result = running.pending.wait()
@@ -351,7 +350,7 @@ class LLMEngine:
         if ahead is not None and ahead.batch.defer_token_bitmask:
             # The continuation's forward runs while this step's last samples advance the
             # grammars; its first masks are filled in the background during this update.
-            self.structured.advance(running.batch, result.sampled[-1])
+            self.structured.advance(running.batch, result.token_ids[-1])
             self.structured.start_fill(ahead.batch)
         between = None
         if ahead is not None and ahead.pending.awaits_bitmask:
@@ -554,9 +553,7 @@ class LLMEngine:
         or max_tokens mid-window drops the rest); each token after the first was a scored
         proposal, so its K/V is in the cache. Then the rollback: blocks past the tokens go
         back to the allocator (the slots of rejected proposals are overwritten later)."""
-        self.spec_counts[0] += num_proposed
-        self.spec_counts[1] += num_tokens - 1
-        self.spec_counts[2] += 1
+        self.spec_stats.record(num_proposed, num_tokens - 1)
         self._append(seq, samples[0], group)
         for sample in samples[1:num_tokens]:
             if seq.is_finished():
@@ -707,7 +704,7 @@ class LLMEngine:
             finished=True,
             metrics=group.metrics,
             error=f"request {group.request_id!r} can never fit in the KV cache "
-            f"({self.worker.num_gpu_blocks * self.block_size} tokens)",
+            f"({self.info.num_gpu_blocks * self.block_size} tokens)",
         )
 
     # -------------------------------------------------------------------- misc
@@ -725,12 +722,12 @@ class LLMEngine:
             kv_cache_usage=s.gpu_cache_usage,
             prefix_cache_hit_rate=s.prefix_cache_hit_rate,
             num_preemptions=s.num_preemptions,
-            num_gpu_blocks=self.worker.num_gpu_blocks,
+            num_gpu_blocks=self.info.num_gpu_blocks,
             block_size=self.block_size,
-            weight_bytes=self.worker.weight_bytes,
-            spec_num_draft_tokens=self.spec_counts[0],
-            spec_num_accepted_tokens=self.spec_counts[1],
-            spec_num_verified_rows=self.spec_counts[2],
+            weight_bytes=self.info.weight_bytes,
+            spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
+            spec_num_verified_rows=self.spec_stats.num_verified_rows,
             prefix_cache_queries=s.block_manager.gpu_allocator.num_cache_queries * self.block_size,
             prefix_cache_hits=s.block_manager.gpu_allocator.num_cache_hits * self.block_size,
         )

@@ -29,7 +29,7 @@ from pagedllm.loader import initialize_dummy_weights, load_model_source
 from pagedllm.models.device_map import DeviceMap
 from pagedllm.models.registry import build_empty_model
 from pagedllm.sampling_params import SamplingType
-from pagedllm.worker.inputs import StepBatch
+from pagedllm.contract import StepBatch
 from pagedllm.worker.placement import place_model
 
 

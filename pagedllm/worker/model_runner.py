@@ -1,7 +1,7 @@
 """ModelRunner: turns a StepBatch into model forwards and samples the next tokens.
 
 It keeps the worker's own state of every sequence (SeqState: tokens, block table, sampling
-parameters, generator), built only from the batches' deltas (worker/inputs.py). Inputs are
+parameters, generator), built only from the batches' deltas (pagedllm/contract.py). Inputs are
 gathered once per step on the host (FlatBatch), then either copied into a captured CUDA
 graph's static buffers (a decode step, see cuda_graphs.py) or built into
 PagedAttentionInputMetadata on the input device (eager; the model's forward copies it once
@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -30,7 +31,7 @@ from pagedllm.layers.token_bitmask import apply_token_bitmask
 from pagedllm.models.device_map import DeviceMap
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.cuda_graphs import DecodeCUDAGraphs
-from pagedllm.worker.inputs import StepBatch, StepResult
+from pagedllm.contract import StepBatch, StepResult
 
 
 @dataclass(slots=True)
@@ -174,7 +175,7 @@ class PendingStep:
 
     def wait(self) -> StepResult:
         if self._copy is not None:
-            self._result.sampled = self._copy.get()
+            self._result.set_packed(self._copy.get().numpy())
         return self._result
 
 
@@ -242,19 +243,19 @@ class DecodeWindow(PendingStep):
         """last_samples() would not block."""
         return bool(self._copies) and self._copies[-1].ready()
 
-    def last_samples(self) -> torch.Tensor:
-        """The latest sub-step's packed samples on the host, [samples, 3 + 2k] (a stepped
+    def last_samples(self) -> np.ndarray:
+        """The latest sub-step's sampled token ids on the host, int64 [samples] (a stepped
         window only: the others come back once, at wait())."""
         if not self._copies:
             raise ValueError("no sub-step of this window has sampled with a token bitmask yet")
-        return self._copies[-1].get()
+        return self._copies[-1].get()[:, 0].numpy().astype(np.int64)
 
     def wait(self) -> StepResult:
         if self.awaits_bitmask:
             raise ValueError("the step waits for its token bitmask (sample_with_bitmask)")
         if self._done is not None:
             return self._done.wait()
-        self._result.sampled = torch.stack([c.get() for c in self._copies])
+        self._result.set_packed(torch.stack([c.get() for c in self._copies]).numpy())
         return self._result
 
 

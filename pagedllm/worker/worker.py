@@ -1,6 +1,6 @@
 """Worker: loads the model onto its devices, sizes the KV cache by profiling, and executes
 step batches (cache swaps/copies, then the forward and sampling). It reads nothing of the
-engine but the plain StepBatch (worker/inputs.py)."""
+engine but the plain StepBatch (pagedllm/contract.py)."""
 from __future__ import annotations
 
 import itertools
@@ -30,7 +30,7 @@ from pagedllm.worker.cuda_graphs import graphs_supported
 from pagedllm.worker.placement import (
     PlacementInputs, WeightSizes, check_weights_fit, describe, place_model, plan_auto,
 )
-from pagedllm.worker.inputs import StepBatch, StepResult
+from pagedllm.contract import StepBatch, StepResult, WorkerInfo
 from pagedllm.worker.model_runner import ModelRunner, PendingStep
 from pagedllm.worker.quantization import (
     describe_gguf, pack_gguf_modules, quantize_fp8, resolve_quantization,
@@ -344,6 +344,19 @@ class Worker:
         if self.runner.graphs is not None:
             self.runner.graphs.release()
             self.runner.graphs = None
+
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(
+            num_gpu_blocks=self.num_gpu_blocks,
+            num_cpu_blocks=self.num_cpu_blocks,
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            eos_token_ids=tuple(self.eos_token_ids),
+            on_cuda=self.device_map.input_device.type == "cuda",
+            defers_token_bitmask=self.defers_token_bitmask,
+            weight_bytes=self.weight_bytes,
+            source_name=self.source_name,
+        )
 
     # ---------------------------------------------------------------- execution
     def launch(self, batch: StepBatch) -> PendingStep:
