@@ -68,10 +68,8 @@ class EngineStats:
         return (self.spec_num_accepted_tokens + n) / n if n else 0.0
 
 
-# Running sequences past which speculation is off by default. n-gram on repetitive prompts,
-# speculative / plain output tokens/s: Llama-3-8B bf16 on an H200 1.53x at 1 sequence, 1.31x
-# at 8, 1.23x at 16, 1.03x at 32, 0.92x at 64; the default model on 2 CPU cores 1.77x at 1,
-# 1.15x at 4, 1.01x at 8.
+# Running sequences past which speculation is off by default: a large batch already keeps
+# the device busy, and verifying proposals then costs more than it saves (docs/benchmarks.md).
 SPEC_BATCH_LIMIT = {"cuda": 32, "cpu": 8}
 
 
@@ -90,13 +88,11 @@ _heap_frozen = False
 
 def _freeze_heap() -> None:
     """The objects alive when an engine first steps (the block pools' blocks, the model's
-    modules, everything imported) kept out of the collector's passes. A full pass walks
-    every tracked object: ~0.3 s for the 850k of a CPU engine (0.25 s for the 500k on a GPU
-    host), every few thousand sequences' worth of steps otherwise. They stay frozen while
-    the engine is idle too: unfrozen, the collector's count of old objects is left at the
-    few it saw while frozen, so the next full pass would come soon after. Frozen even when
-    the process froze some objects of its own first (the H200 host's Python starts with 375
-    frozen): gc.freeze only adds to what is frozen."""
+    modules, everything imported) kept out of the collector's passes: a full pass walks
+    every tracked object, a long pause between two steps. They stay frozen while the engine
+    is idle too: unfrozen, the collector's count of old objects is left at the few it saw
+    while frozen, so the next full pass would come soon after. Frozen even when the process
+    froze some objects of its own first: gc.freeze only adds to what is frozen."""
     global _heap_frozen
     if not _heap_frozen:
         gc.freeze()
@@ -308,9 +304,6 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_seqs() or self._in_flight is not None
-
-    def get_num_unfinished_requests(self) -> int:
-        return self.scheduler.get_num_unfinished_seq_groups()
 
     # --------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:

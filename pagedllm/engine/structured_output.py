@@ -38,12 +38,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# llguidance's tokenizer is built from the HF tokenizer's vocabulary (about 0.5 s for
-# SmolLM2's): once per tokenizer object and EOS set.
+# llguidance's tokenizer is built from the HF tokenizer's whole vocabulary (slow): once per
+# tokenizer object and EOS set.
 # Keyed by id(tokenizer); the entry keeps the tokenizer alive so the id stays its own.
 _LL_TOKENIZERS: dict[tuple[int, tuple[int, ...]], tuple[Any, Any]] = {}
-# Fresh matchers kept per grammar: building one costs ~1.6 ms (validated, then compiled), a
-# copy of a fresh one ~3 us, and a batch of requests usually shares a few schemas. Each
+# Fresh matchers kept per grammar: building one validates and compiles the grammar, a copy of
+# a fresh one is far cheaper, and a batch of requests usually shares a few schemas. Each
 # fresh matcher keeps its own lexer (its DFA grows as masks are computed): the total kept
 # is bounded too, the least recently used grammars going first.
 MAX_CACHED_GRAMMARS = 64

@@ -561,9 +561,6 @@ class ModelRunner:
         width = max(p.shape[1] for p in parts)
         return torch.cat([_widen(p, width) for p in parts])[None]
 
-    def execute(self, batch: StepBatch, kv_caches: list[torch.Tensor]) -> StepResult:
-        return self.launch(batch, kv_caches).wait()
-
     @staticmethod
     def _select_rows(hidden: torch.Tensor, indices: list[int]) -> torch.Tensor:
         if indices == list(range(hidden.shape[0])):  # decode: every row, in order

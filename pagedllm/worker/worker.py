@@ -275,9 +275,9 @@ class Worker:
     def _profile_num_blocks(self, args: EngineArgs) -> int:
         devices = self.device_map.devices
         if all(d.type == "cpu" for d in devices):
-            # A profiling forward of the largest batch took 5-10 s on 2 cores, and the high-
-            # water mark of the process' RSS measures it only roughly: the CPU takes the
-            # analytic bound, which covers what such a forward was measured to use.
+            # A profiling forward of the largest batch is slow on the CPU, and the high-water
+            # mark of the process' RSS measures it only roughly: the CPU takes the analytic
+            # bound, which covers what such a forward uses.
             peak = self._activation_peak()
             peaks = {d: peak for d in devices}
         else:
@@ -370,6 +370,3 @@ class Worker:
             self.draft_cache_engine.swap_in(batch.blocks_to_swap_in)
             self.draft_cache_engine.copy(batch.blocks_to_copy)
         return self.runner.launch(batch, self.cache_engine.gpu_cache)
-
-    def execute(self, batch: StepBatch) -> StepResult:
-        return self.launch(batch).wait()
