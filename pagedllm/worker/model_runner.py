@@ -349,17 +349,8 @@ class ModelRunner:
             first = len(b.input_ids)
             prompt_len = len(st.prompt_token_ids)
             proposals = spec.get(seq_id) if spec else None
-            if proposals is not None:
-                b.input_ids += st.token_slice(start, end - len(proposals))
-                b.input_ids += proposals
-            elif end <= prompt_len + len(st.output_token_ids):
-                b.input_ids += st.token_slice(start, end)
-            else:
-                if last_index is None:
-                    last_index = self._last_sample_index()
-                b.from_last_samples.append((first, self._pending_input(
-                    seq_id, start, chunk, prompt_len + len(st.output_token_ids), last_index)))
-                b.input_ids.append(0)
+            last_index = self._gather_input_ids(b, seq_id, st, start, chunk, proposals,
+                                                last_index)
             b.positions += range(start, end)
             b.slot_mapping += slots_for(table, start, end, bs)
             b.query_lens.append(chunk)
@@ -395,6 +386,26 @@ class ModelRunner:
                 )))
         b.logits_indices = prompt_indices + sample_indices + spec_indices
         return b
+
+    def _gather_input_ids(self, b: FlatBatch, seq_id: int, st: SeqState, start: int, chunk: int,
+                          proposals: list[int] | None,
+                          last_index: dict[int, int] | None) -> dict[int, int] | None:
+        """A row's input ids into `b`: its known tokens (then its proposals), or the last
+        launched step's sample still on the device; returns `last_index`, made if needed."""
+        end = start + chunk
+        num_known = len(st.prompt_token_ids) + len(st.output_token_ids)
+        if proposals is not None:
+            b.input_ids += st.token_slice(start, end - len(proposals))
+            b.input_ids += proposals
+        elif end <= num_known:
+            b.input_ids += st.token_slice(start, end)
+        else:
+            if last_index is None:
+                last_index = self._last_sample_index()
+            b.from_last_samples.append((len(b.input_ids), self._pending_input(
+                seq_id, start, chunk, num_known, last_index)))
+            b.input_ids.append(0)
+        return last_index
 
     def _last_sample_index(self) -> dict[int, int]:
         """seq_id -> index of its (first) sample among the last launched step's samples."""
