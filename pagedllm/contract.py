@@ -23,7 +23,7 @@ anything that only reads results) can be read and tested without the worker.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -202,3 +202,33 @@ class WorkerInfo:
     defers_token_bitmask: bool
     weight_bytes: int  # the model's weights as stored (packed GGUF / FP8 count as such)
     source_name: str  # the model's name, as the server answers to it by default
+
+
+class PendingStep(Protocol):
+    """A launched step. Its StepResult is ready at `wait()`. A decode window with
+    constrained rows (`awaits_bitmask`) first samples sub-step by sub-step: each sub-step's
+    masks come from the grammars advanced by the sub-step before's token ids."""
+
+    awaits_bitmask: bool  # sub-steps are left to sample (each needs sample_with_bitmask)
+
+    def wait(self) -> StepResult: ...
+
+    def sample_with_bitmask(self, token_bitmask: Any, rows: list[int]) -> None: ...
+
+    def last_samples_ready(self) -> bool: ...
+
+    def last_samples(self) -> np.ndarray: ...  # the latest sub-step's token ids, int64
+
+
+class Executor(Protocol):
+    """What the engine drives: the single-process worker or the tensor-parallel group
+    (worker/tp_worker.create_worker makes the one the arguments ask for)."""
+
+    model_config: Any  # the model's config (vocab_size, hidden_size)
+    tokenizer: Any  # None: the model has none (prompts are token ids)
+
+    def info(self) -> WorkerInfo: ...
+
+    def launch(self, batch: StepBatch) -> PendingStep: ...
+
+    def shutdown(self) -> None: ...

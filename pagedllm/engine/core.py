@@ -13,10 +13,9 @@ import gc
 import itertools
 import weakref
 from dataclasses import dataclass
-from typing import Any
 
 from pagedllm.config import CacheConfig, SchedulerConfig
-from pagedllm.contract import SpecStats, StepBatch, WorkerInfo
+from pagedllm.contract import Executor, PendingStep, SpecStats, StepBatch, WorkerInfo
 from pagedllm.engine.batch_builder import StepBatchBuilder
 from pagedllm.engine.grammar import GrammarSteps
 from pagedllm.engine.outputs import OutputProcessor, ignored_output
@@ -36,7 +35,7 @@ class _InFlight:
     """A launched step whose samples the engine has not read yet."""
 
     out: SchedulerOutput
-    pending: Any  # the worker's pending step: wait() -> StepResult
+    pending: PendingStep
     batch: StepBatch
 
 
@@ -74,7 +73,7 @@ def _has_running(out: SchedulerOutput) -> bool:
 class EngineCore:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
-        self.worker = create_worker(args)
+        self.worker: Executor = create_worker(args)
         weakref.finalize(self, _unfreeze_heap)
         self.info = info = self.worker.info()
         self.model_config = self.worker.model_config
