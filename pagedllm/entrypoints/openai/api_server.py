@@ -168,7 +168,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig | None = None) -> Fas
     @keyed.post("/detokenize", responses=_documented(400, *key, 404, 413))
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         completion.check_model(body.model)
-        vocab_size = engine.engine.model_config.vocab_size
+        vocab_size = engine.vocab_size
         bad = [t for t in body.tokens if t >= vocab_size]
         if bad:
             raise OpenAIError(
