@@ -11,7 +11,6 @@ its gaps while the big request was in flight (p50, max), and how the big request
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os

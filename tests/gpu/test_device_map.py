@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from tests.gpu.random_model import SMOLLM2_SHAPE, compare, free, save_random_model
+from tests.gpu.random_model import compare, free
 
 pytestmark = pytest.mark.cuda
 
@@ -38,13 +38,6 @@ def run(folder: str, prompts: list[list[int]], **engine) -> dict:
     del llm, outs
     free()
     return result
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    folder = tmp_path_factory.mktemp("smollm2-shaped")
-    save_random_model(folder, SMOLLM2_SHAPE)
-    return str(folder)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from tests.gpu.random_model import SMOLLM2_SHAPE, compare, free, save_random_model
+from tests.gpu.random_model import SMOLLM2_SHAPE, compare, free
 
 pytestmark = pytest.mark.cuda
 
@@ -65,13 +65,6 @@ def decode_latency(folder: str, **engine) -> float:
     del llm
     free()
     return 1000 * elapsed / 128
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    folder = tmp_path_factory.mktemp("smollm2-shaped")
-    save_random_model(folder, SMOLLM2_SHAPE)
-    return str(folder)
 
 
 @pytest.fixture(scope="module")
