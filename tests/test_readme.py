@@ -160,3 +160,22 @@ def test_readme_options_table_is_generated_from_engine_args() -> None:
     table = module.options_table()
     assert table in (ROOT / "README.md").read_text(), (
         "README's engine options table differs from `python scripts/options_table.py`")
+
+
+def server_routes() -> set[str]:
+    """Every path the server's source registers (`@router.get("/...")`, `add_api_route`),
+    with path parameters written `{}`."""
+    paths = set()
+    for source in (ROOT / "pagedllm" / "entrypoints").rglob("*.py"):
+        text = source.read_text()
+        paths |= set(re.findall(r'\.(?:get|post|put|delete|api_route)\(\s*"(/[^"]*)"', text))
+        paths |= set(re.findall(r'add_api_route\(\s*"(/[^"]*)"', text))
+    return {re.sub(r"\{[^}]*\}", "{}", p) for p in paths}
+
+
+def test_readme_route_table_lists_every_route() -> None:
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("| route | auth | what |"):readme.index("Requests, in short")]
+    listed = {re.sub(r"\{[^}]*\}", "{}", p) for p in re.findall(r"(/[\w/{}.-]*)", table)}
+    assert len(server_routes()) > 15
+    assert server_routes() - listed == set()
