@@ -355,18 +355,12 @@ def run_chat(args: argparse.Namespace) -> int:
 
 
 def run_bench(workload: str, argv: list[str]) -> int:
-    if workload == "serve":
-        from pagedllm.benchmarks import serve_bench
+    import importlib
 
-        return serve_bench.main(argv)
-    if workload == "load":
-        from pagedllm.benchmarks import load_bench
+    from pagedllm.benchmarks import STANDALONE
 
-        return load_bench.main(argv)
-    if workload == "engine-state":
-        from pagedllm.benchmarks import engine_state_bench
-
-        return engine_state_bench.main(argv)
+    if workload in STANDALONE:
+        return importlib.import_module(f"pagedllm.benchmarks.{STANDALONE[workload]}").main(argv)
     from pagedllm.benchmarks import workloads  # imported here: it pulls in the peers
 
     return workloads.main([workload, *argv])
