@@ -37,7 +37,7 @@ def browser():
 
 
 def engine_state(server) -> dict:
-    response = httpx.get(server.url + "/v1/engine/state")
+    response = httpx.get(server.url + "/v1/engine/state", timeout=60)
     assert response.status_code == 200, response.text
     return response.json()
 
