@@ -149,3 +149,30 @@ def test_llm_on_the_cpu_refuses_fp8_kv_cache_before_loading():
     with pytest.raises(ValueError, match=r"^kv_cache_dtype must be one of auto, fp8, fp8_e4m3, "
                        r"got 'int4'$"):
         LLM(model="smollm2-135m", load_format="dummy", device="cpu", kv_cache_dtype="int4")
+
+
+def test_cache_engine_holds_fp8_blocks_and_swaps_and_copies_them():
+    """An FP8 cache takes half a bf16 cache's bytes per block; swap and copy-on-write move
+    its blocks as bytes, unchanged."""
+    from pagedllm.config import ModelConfig
+    from pagedllm.models.device_map import DeviceMap
+    from pagedllm.worker.cache_engine import CacheEngine, bytes_per_block
+
+    config = ModelConfig(architecture="llama", vocab_size=97, hidden_size=32,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=64, max_position_embeddings=128)
+    assert bytes_per_block(config, 4, FP8, 2) * 2 == bytes_per_block(config, 4, torch.bfloat16, 2)
+    engine = CacheEngine(config, 4, num_gpu_blocks=5, num_cpu_blocks=3, dtype=FP8,
+                         device_map=DeviceMap.single(torch.device("cpu"), 2))
+    for layer in engine.gpu_cache:
+        layer.copy_(to_fp8(torch.randn(layer.shape) * 4))
+    before = [c.clone() for c in engine.gpu_cache]
+    engine.swap_out([(1, 0)])
+    for c in engine.gpu_cache:
+        c[:, 1] = to_fp8(torch.zeros(c[:, 1].shape))
+    engine.swap_in([(0, 4)])
+    engine.copy([(4, 2)])
+    for layer, old in zip(engine.gpu_cache, before):
+        assert layer.dtype == FP8
+        assert torch.equal(layer[:, 4].float(), old[:, 1].float())
+        assert torch.equal(layer[:, 2].float(), old[:, 1].float())

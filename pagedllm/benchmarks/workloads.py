@@ -342,9 +342,8 @@ def engine_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
         num_scheduler_steps=args.num_scheduler_steps, async_scheduling=args.async_scheduling,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
-    if args.kv_cache_dtype != "auto":
-        kwargs["kv_cache_dtype"] = args.kv_cache_dtype
     kwargs.update(overrides)
     return kwargs
 

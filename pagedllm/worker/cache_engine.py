@@ -119,6 +119,8 @@ class CacheEngine:
             return on_device[which, device]
 
         for s, d in zip(src, dst):
+            if s.element_size() == 1:  # FP8: moved as bytes (indexing need not know the type)
+                s, d = s.view(torch.uint8), d.view(torch.uint8)
             # Gather on the source, one transfer, scatter on the destination. A copy to the
             # host is synchronous so the scatter reads complete data.
             blocks = s[:, :, ids("src", src_ids, s.device)]
