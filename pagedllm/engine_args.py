@@ -15,7 +15,8 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from pagedllm.config import (
-    CPU_ACTIVATIONS, DTYPES, LOAD_FORMATS, PREEMPTION_MODES, QUANTIZATIONS, SpeculativeConfig,
+    CPU_ACTIVATIONS, DTYPES, KV_CACHE_DTYPES, LOAD_FORMATS, PREEMPTION_MODES, QUANTIZATIONS,
+    SpeculativeConfig,
 )
 from pagedllm.pooling_params import POOLING_TYPES
 
@@ -105,6 +106,10 @@ class EngineArgs:
         "(default: a quarter of free RAM, up to 2 GiB)")
     gpu_memory_utilization: float | str = option(
         0.9, "share of each CUDA device the engine may use, or one value per device")
+    kv_cache_dtype: str = option(
+        "auto", "the paged KV cache's dtype: auto (the model's), or fp8 / fp8_e4m3 (FP8 E4M3 "
+        "with a scale of 1.0, CUDA only: twice the tokens in the same memory)",
+        KV_CACHE_DTYPES)
     swap_space: float = option(1.0, "GiB of host memory for swapped-out blocks")
     num_gpu_blocks_override: int | None = option(
         None, "KV-cache blocks to allocate, instead of profiling memory")
@@ -140,6 +145,9 @@ class EngineArgs:
         if self.quantization not in (None, *QUANTIZATIONS):
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, "
                              f"got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.cpu_activations not in CPU_ACTIVATIONS:
             raise ValueError(f"cpu_activations must be one of {', '.join(CPU_ACTIVATIONS)}, "
                              f"got {self.cpu_activations!r}")

@@ -7,7 +7,12 @@
 #                  list): test-parity (CUDA fp32 == CPU fp32, graphs == eager, async == sync,
 #                  speculative == plain), test-kernel-checks (kernels at Llama-3-8B shapes),
 #                  test-fp8 (FP8 linears, agreement with bf16), test-device-map (CPU offload,
-#                  two GPUs), tp-parity (TP=2 == TP=1)
+#                  two GPUs), test-fp8-kv-cache (attention over an FP8 KV cache; greedy
+#                  agreement FP8 KV vs bf16 KV), test-sortfree-sampler (thresholds == the
+#                  sort at 128k vocab, chi-square of the draws), tp-parity (TP=2 == TP=1)
+#   sharegpt sharegpt-sortfree sharegpt-fp8 (not in the default list)
+#                  `pagedllm bench sharegpt` with PAGEDLLM_SAMPLER=sort, =sortfree, and
+#                  sortfree with --quantization fp8 --kv-cache-dtype fp8
 #   kernel-bench   `pagedllm bench kernels`: the kernel checks again, then their timings
 #   nano decode-8b throughput-8b prefix-8b
 #                  `pagedllm bench <workload>` (pagedllm/benchmarks/workloads.py)
@@ -130,7 +135,7 @@ PEERS=${GPU_CHECK_PEERS:-nano}
 PYTEST=($PY -m pytest -q -p no:cacheprovider -rP)  # -rP: the tests' printed reports too
 run_step kernels 300 "$LOGS/kernels.log" "${PYTEST[@]}" tests/test_kernels.py
 run_step gpu-tests 2400 "$LOGS/gpu_tests.log" "${PYTEST[@]}" -m cuda tests/gpu
-for t in parity kernel-checks fp8 device-map; do
+for t in parity kernel-checks fp8 device-map fp8-kv-cache sortfree-sampler; do
     run_step "test-$t" 900 "$LOGS/gpu_tests.log" "${PYTEST[@]}" -m cuda "tests/gpu/test_${t//-/_}.py"
 done
 run_step tp-parity 1800 "$LOGS/tp.log" "${PYTEST[@]}" -m cuda tests/gpu/test_tp.py
@@ -162,6 +167,18 @@ for w in decode-8b throughput-8b; do
     run_step "$w-fp8" 480 "$LOGS/bench.log" $PY "$WORK/bench.py" "$w" --quantization fp8 \
         --out "$WORK/$w-fp8.json" --no-peer
     [ -f "$WORK/$w-fp8.json" ] && { echo "-- $w-fp8.json"; cat "$WORK/$w-fp8.json"; } >>"$LOGS/bench.log"
+done
+
+# The ShareGPT-like mix (not in the default steps): the sampler A/B and the FP8 KV cache.
+for w in sharegpt sharegpt-sortfree sharegpt-fp8; do
+    sampler=sort extra=()
+    case $w in
+    sharegpt-sortfree) sampler=sortfree ;;
+    sharegpt-fp8) sampler=sortfree extra=(--quantization fp8 --kv-cache-dtype fp8) ;;
+    esac
+    run_step "$w" 480 "$LOGS/bench.log" env PAGEDLLM_SAMPLER=$sampler $PY "$WORK/bench.py" \
+        sharegpt --out "$WORK/$w.json" ${extra[@]+"${extra[@]}"}
+    [ -f "$WORK/$w.json" ] && { echo "-- $w.json"; cat "$WORK/$w.json"; } >>"$LOGS/bench.log"
 done
 
 # Speculative decoding: each run also times plain decoding on the same prompts.
@@ -213,8 +230,8 @@ run_step tp-allreduce 600 "$LOGS/tp.log" $TPRUN "$WORK/bench.py" tp-allreduce --
     if [ -f "$LOGS/bench.log" ]; then
         echo
         grep -E "^== |KV budget|KV cache:|CUDA graph|Traceback|Error" "$LOGS/bench.log" | cut -c1-160
-        for w in $BENCHES decode-8b-fp8 throughput-8b-fp8 tp-decode-8b tp-throughput-8b \
-                $SPEC_STEPS; do  # each table follows "results:"
+        for w in $BENCHES decode-8b-fp8 throughput-8b-fp8 sharegpt sharegpt-sortfree \
+                sharegpt-fp8 tp-decode-8b tp-throughput-8b $SPEC_STEPS; do  # each table follows "results:"
             sed -n "/^results: .*\/$w.json/,/^== $w:/p" "$LOGS/bench.log" | sed '1s/^/\n/'
         done
     fi

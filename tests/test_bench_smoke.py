@@ -17,10 +17,10 @@ GPU_WORKLOADS = ["nano", "decode-8b", "throughput-8b", "prefix-8b"]
 
 def test_workload_list():
     assert list(workloads.WORKLOADS) == ["cpu", *GPU_WORKLOADS, "scheduler", "spec",
-                                        "structured"]
+                                        "structured", "sharegpt"]
     assert set(workloads.RUNNERS) == set(workloads.WORKLOADS)
     assert [w for w in workloads.WORKLOADS.values() if w.needs_cuda] == [
-        workloads.WORKLOADS[n] for n in GPU_WORKLOADS
+        workloads.WORKLOADS[n] for n in [*GPU_WORKLOADS, "sharegpt"]
     ]
 
 
@@ -226,3 +226,45 @@ def test_structured_workload_runs_shrunk_with_a_saved_tokenizer(tmp_path, capsys
     assert data["summary"]["batch 2: engine thread's mask fill + matcher advance per constrained token (us)"] > 0
     assert data["summary"]["batch 2: constrained outputs valid"] == "1/1"
     assert "us/token" in capsys.readouterr().out
+
+
+def test_sharegpt_help_lists_its_options(capsys):
+    assert workloads.main(["sharegpt", "--help"]) == 0
+    text = capsys.readouterr().out
+    for flag in ("--num-prompts", "--seed", "--model", "--quantization", "--kv-cache-dtype",
+                 "--max-num-seqs", "--max-num-batched-tokens", "--out", "--top-p"):
+        assert flag in text
+    args = parse_args(["sharegpt", "--device", "cpu"])
+    assert (args.num_requests, args.input_len, args.output_len) == (1000, (4, 2048), (4, 1024))
+    assert (args.model, args.load_format, args.dtype) == ("llama-3-8b", "dummy", "bfloat16")
+    assert (args.temperature, args.top_p, args.kv_cache_dtype) == (0.8, 0.95, "auto")
+    assert parse_args(["sharegpt", "--device", "cpu", "--num-prompts", "7"]).num_requests == 7
+
+
+def test_sharegpt_lengths_are_seeded_lognormal_with_the_mix_means():
+    lengths = workloads.lognormal_lengths(random.Random(0), 1000, 290, 1.0, (4, 2048))
+    assert lengths == workloads.lognormal_lengths(random.Random(0), 1000, 290, 1.0, (4, 2048))
+    assert 250 < sum(lengths) / 1000 < 330
+    assert min(lengths) >= 4 and max(lengths) == 2048  # the tail reaches the cap
+    assert sorted(lengths)[500] < 250  # a long right tail: the median is under the mean
+    out = workloads.lognormal_lengths(random.Random(1), 1000, 220, 0.9, (4, 1024))
+    assert 190 < sum(out) / 1000 < 250
+
+
+def test_sharegpt_workload_runs_shrunk(tmp_path, capsys):
+    out = tmp_path / "sharegpt.json"
+    argv = ["sharegpt", "--device", "cpu", "--model", "smollm2-135m", "--num-prompts", "3",
+            "--max-input-len", "24", "--max-tokens", "5", "--kv-cache-memory", "5e7",
+            "--out", str(out)]
+    assert workloads.main(argv) == 0
+    data = json.loads(out.read_text())
+    (run,) = data["runs"]
+    summary = data["summary"]
+    assert run["num_requests"] == 3
+    assert run["output_tokens"] == summary["output_len"]["total"]  # every output ran to length
+    assert run["input_tokens"] == summary["input_len"]["total"]
+    assert summary["input_len"]["max"] <= 24 and summary["output_len"]["max"] <= 5
+    assert run["total_tokens_per_s"] == pytest.approx(
+        (run["input_tokens"] + run["output_tokens"]) / run["elapsed_s"])
+    printed = capsys.readouterr().out
+    assert "total tok/s" in printed and "input_len: mean" in printed

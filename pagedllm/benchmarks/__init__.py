@@ -14,6 +14,7 @@ WORKLOAD_HELP = {
     "scheduler": "scheduler + block manager time per decode step, no model",
     "spec": "speculative decoding (n-gram, draft model) vs plain decoding: tok/s, acceptance",
     "structured": "structured output: per-token cost of grammar masks at batch 1 and 32",
+    "sharegpt": "Llama-3-8B shape, a ShareGPT-like mix of 1,000 sampled requests: tok/s",
     "serve": "concurrent streaming clients against the OpenAI-compatible server",
     "engine-state": "cost of one GET /v1/engine/state snapshot at 256 running sequences",
     "load": "LLM(), `pagedllm --help` and `generate` in fresh processes vs transformers' load",

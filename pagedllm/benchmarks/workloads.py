@@ -8,6 +8,7 @@
     scheduler      scheduler + block manager time per step with 256 running sequences
     spec           speculative decoding (n-gram, draft model) vs plain decoding, same prompts
     structured     structured output: masking's cost per token, constrained vs unconstrained
+    sharegpt       Llama-3-8B shape, a ShareGPT-like mix of 1,000 sampled requests: tok/s
 
 Each prints a table (last) and writes JSON to --out; --plot adds a PNG when matplotlib is
 importable. Only generation is timed, never loading; every engine warms up first. The GPU
@@ -19,6 +20,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
+import os
 import random
 import re
 import statistics
@@ -34,7 +37,7 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.benchmarks import WORKLOAD_HELP, cpu_targets, peers
 from pagedllm.benchmarks.scheduler_bench import run_scheduler_bench
-from pagedllm.config import DTYPES, LOAD_FORMATS, QUANTIZATIONS, resolve_dtype
+from pagedllm.config import DTYPES, KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS, resolve_dtype
 from pagedllm.entrypoints.chat_utils import apply_chat_template
 from pagedllm.entrypoints.usage import EXIT_USAGE, Parser, UsageError
 
@@ -100,6 +103,9 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in [
              (256, 256), (128, 128)),
     Workload("structured", "structured output: per-token cost of the grammar masks, "
              "constrained vs unconstrained batches", False, 32, (16, 64), (64, 64)),
+    Workload("sharegpt", "Llama-3-8B shape, a ShareGPT-like mix: lognormal prompt and output "
+             "lengths, T=0.8, top_p=0.95, every output run to its length: output and total "
+             "tokens/s", True, 1000, (4, 2048), (4, 1024), "llama-3-8b", "dummy", "bfloat16"),
 ]}
 
 
@@ -109,7 +115,9 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in [
 def build_parser(workload: Workload) -> argparse.ArgumentParser:
     w = workload
     p = Parser(prog=f"pagedllm bench {w.name}", description=w.description)
-    p.add_argument("--num-requests", type=int, default=w.num_requests,
+    # vLLM's benchmarks call it --num-prompts; sharegpt takes both spellings
+    names = ["--num-requests", "--num-prompts"] if w.name == "sharegpt" else ["--num-requests"]
+    p.add_argument(*names, dest="num_requests", type=int, default=w.num_requests,
                    help=f"requests (scheduler: running sequences) (default {w.num_requests})")
     p.add_argument("--min-input-len", type=int, default=None,
                    help=f"shortest prompt in tokens (default {w.input_len[0]})")
@@ -154,6 +162,8 @@ def build_parser(workload: Workload) -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--kv-cache-memory", default=None, help="bytes for the KV cache on the CPU")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="fp8 (= fp8_e4m3): the paged KV cache in FP8 E4M3 on CUDA")
     if w.name == "cpu":
         p.add_argument("--repeats", type=int, default=3,
                        help="pairs of runs, pagedllm then transformers, each pair on its "
@@ -174,6 +184,15 @@ def build_parser(workload: Workload) -> argparse.ArgumentParser:
                        "(default: the middle of the output range)")
     if w.name == "prefix-8b":
         p.add_argument("--prefix-len", type=int, default=2000)
+    if w.name == "sharegpt":
+        p.add_argument("--temperature", type=float, default=0.8)
+        p.add_argument("--top-p", type=float, default=0.95)
+        p.add_argument("--mean-input-len", type=float, default=SHAREGPT_MEAN_INPUT,
+                       help="mean of the lognormal prompt lengths before clipping to "
+                       f"[--min-input-len, --max-input-len] (default {SHAREGPT_MEAN_INPUT:g})")
+        p.add_argument("--mean-output-len", type=float, default=SHAREGPT_MEAN_OUTPUT,
+                       help="mean of the lognormal output lengths before clipping to "
+                       f"[--min-tokens, --max-tokens] (default {SHAREGPT_MEAN_OUTPUT:g})")
     if w.name == "spec":
         p.add_argument("--method", default="ngram", choices=["ngram", "draft_model", "both"],
                        help="the proposer(s) timed against plain decoding (default ngram)")
@@ -323,6 +342,7 @@ def engine_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
         num_scheduler_steps=args.num_scheduler_steps, async_scheduling=args.async_scheduling,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     kwargs.update(overrides)
     return kwargs
@@ -623,6 +643,65 @@ def bench_throughput(args: argparse.Namespace) -> Report:
                   THROUGHPUT_COLUMNS)
 
 
+# `sharegpt`: lengths like ShareGPT's conversations (a long right tail), drawn from a seed
+# so every engine and every run sees the same mix.
+SHAREGPT_MEAN_INPUT = 290.0
+SHAREGPT_MEAN_OUTPUT = 220.0
+SHAREGPT_SIGMA_INPUT = 1.0
+SHAREGPT_SIGMA_OUTPUT = 0.9
+
+
+def lognormal_lengths(rng: random.Random, n: int, mean: float, sigma: float,
+                      bounds: tuple[int, int]) -> list[int]:
+    """n lengths from a lognormal of the given mean (before clipping) clipped to bounds."""
+    mu = math.log(mean) - sigma * sigma / 2
+    lo, hi = bounds
+    return [min(hi, max(lo, round(rng.lognormvariate(mu, sigma)))) for _ in range(n)]
+
+
+def length_stats(lengths: list[int]) -> dict[str, float]:
+    ordered = sorted(lengths)
+    return {"mean": statistics.fmean(ordered), "p50": ordered[len(ordered) // 2],
+            "p99": ordered[min(len(ordered) - 1, (99 * len(ordered)) // 100)],
+            "max": ordered[-1], "total": sum(ordered)}
+
+
+def bench_sharegpt(args: argparse.Namespace) -> Report:
+    """The mix users compare engines on: seeded lognormal prompt and output lengths, random
+    token ids, sampled at --temperature and --top-p, ignore_eos so each output runs to its
+    drawn length."""
+    if args.mean_input_len < 1 or args.mean_output_len < 1:
+        raise UsageError("--mean-input-len and --mean-output-len must be at least 1")
+    rng = random.Random(args.seed)
+    n = args.num_requests
+    input_lens = lognormal_lengths(rng, n, args.mean_input_len, SHAREGPT_SIGMA_INPUT,
+                                   args.input_len)
+    output_lens = lognormal_lengths(rng, n, args.mean_output_len, SHAREGPT_SIGMA_OUTPUT,
+                                    args.output_len)
+    prompts = [[rng.randrange(10000) for _ in range(length)] for length in input_lens]
+    params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, ignore_eos=True,
+                             max_tokens=length) for length in output_lens]
+    llm = make_llm(args)
+    warm_up(llm)
+    result, outs = timed_generate(llm, "pagedllm", prompts, params)
+    preemptions = llm.engine.get_stats().num_preemptions
+    llm.engine.shutdown()  # tensor-parallel ranks, if any
+    del llm
+    free_memory()
+    total = result.input_tokens + result.output_tokens
+    result.extra["total_tokens_per_s"] = total / result.elapsed_s if result.elapsed_s else 0.0
+    summary: dict[str, Any] = {
+        "prompts": "random token ids in [0, 10000)",
+        "input_len": length_stats(input_lens), "output_len": length_stats(output_lens),
+        "output_tokens_per_s": result.output_tokens_per_s,
+        "total_tokens_per_s": result.extra["total_tokens_per_s"],
+        "num_preemptions": preemptions,
+        "sampler": os.environ.get("PAGEDLLM_SAMPLER", "sort"),
+    }
+    columns = THROUGHPUT_COLUMNS + [("total_tokens_per_s", "total tok/s", "{:.1f}")]
+    return Report("sharegpt", WORKLOADS["sharegpt"].description, [result], summary, columns)
+
+
 def bench_prefix(args: argparse.Namespace) -> Report:
     rng = random.Random(args.seed)
     prefix = [rng.randrange(10000) for _ in range(args.prefix_len)]
@@ -901,6 +980,7 @@ RUNNERS: dict[str, Callable[[argparse.Namespace], Report]] = {
     "throughput-8b": bench_throughput, "prefix-8b": bench_prefix, "scheduler": bench_scheduler,
     "spec": bench_spec,
     "structured": bench_structured,
+    "sharegpt": bench_sharegpt,
 }
 
 
@@ -954,6 +1034,9 @@ def format_table(report: Report, rows: list[dict[str, Any]]) -> str:
     for key, value in report.summary.items():
         if isinstance(value, float):
             value = f"{value:.3f}"
+        elif isinstance(value, dict):
+            value = ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
+                              for k, v in value.items())
         lines.append(f"{key}: {value}")
     return "\n".join(lines)
 

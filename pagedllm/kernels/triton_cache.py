@@ -4,6 +4,10 @@ One program per token copies the token's K and V rows (all KV heads) into slot
 slot_mapping[t] of the paged cache; a slot of -1 (a padding token) is skipped. A variant
 applies the rotary embedding to the token's query and key first (one launch instead of
 two per layer: ~1.5 us each of a batch-1 decode step's layers).
+
+An FP8 cache (float8_e4m3fn, --kv-cache-dtype fp8) stores K and V with a scale of 1.0,
+vLLM's default when a checkpoint carries no KV scales: the values are clamped to E4M3's
+range (+-448) and rounded; the attention kernels read them back as they are.
 """
 from __future__ import annotations
 
@@ -18,8 +22,9 @@ from pagedllm.kernels.triton_ops import check_rotary_inputs, rotate_token
 def _cache_token(key_ptr, value_ptr, cache_ptr, token, slot, stride_kt, stride_kh, stride_vt,
                  stride_vh, stride_c_kv, stride_c_block, stride_c_offset, stride_c_head,
                  block_size, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 HEADS_PAD: tl.constexpr):
-    """Token `token`'s K and V rows (all KV heads) into cache slot `slot` (>= 0)."""
+                 HEADS_PAD: tl.constexpr, FP8_MAX: tl.constexpr):
+    """Token `token`'s K and V rows (all KV heads) into cache slot `slot` (>= 0); FP8_MAX > 0:
+    an FP8 cache, values clamped to +-FP8_MAX first (E4M3 has no infinity)."""
     block = slot // block_size
     offset = slot % block_size
     heads = tl.arange(0, HEADS_PAD)[:, None]
@@ -28,6 +33,9 @@ def _cache_token(key_ptr, value_ptr, cache_ptr, token, slot, stride_kt, stride_k
     k = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
     v = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
     dst = cache_ptr + block * stride_c_block + offset * stride_c_offset + heads * stride_c_head + dims
+    if FP8_MAX > 0:
+        k = tl.minimum(tl.maximum(k.to(tl.float32), -FP8_MAX), FP8_MAX)
+        v = tl.minimum(tl.maximum(v.to(tl.float32), -FP8_MAX), FP8_MAX)
     tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + stride_c_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
@@ -39,13 +47,14 @@ def _reshape_and_cache_kernel(
     stride_c_kv,  # kv_cache strides: K/V, block, offset in block, head (head_dim is 1)
     stride_c_block, stride_c_offset, stride_c_head, block_size,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot >= 0:
         _cache_token(key_ptr, value_ptr, cache_ptr, token, slot, stride_kt, stride_kh,
                      stride_vt, stride_vh, stride_c_kv, stride_c_block, stride_c_offset,
-                     stride_c_head, block_size, NUM_KV_HEADS, HEAD_DIM, HEADS_PAD)
+                     stride_c_head, block_size, NUM_KV_HEADS, HEAD_DIM, HEADS_PAD, FP8_MAX)
 
 
 @triton.jit
@@ -54,7 +63,7 @@ def _rotary_and_cache_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
     stride_c_kv, stride_c_block, stride_c_offset, stride_c_head, block_size, num_heads, half,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr,
-    Q_HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
+    Q_HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr, FP8_MAX: tl.constexpr,
 ):
     """The rotary embedding of one token's query and key (in place), then its K and V into
     the cache: triton_ops' rotary kernel and the one above in one launch."""
@@ -67,7 +76,15 @@ def _rotary_and_cache_kernel(
     if slot >= 0:
         _cache_token(key_ptr, value_ptr, cache_ptr, token, slot, stride_kt, stride_kh,
                      stride_vt, stride_vh, stride_c_kv, stride_c_block, stride_c_offset,
-                     stride_c_head, block_size, NUM_KV_HEADS, HEAD_DIM, HEADS_PAD)
+                     stride_c_head, block_size, NUM_KV_HEADS, HEAD_DIM, HEADS_PAD, FP8_MAX)
+
+
+FP8_DTYPES = (torch.float8_e4m3fn,)
+
+
+def fp8_max(kv_cache: torch.Tensor) -> float:
+    """E4M3's largest finite value for an FP8 cache; 0.0 (no clamp) for any other dtype."""
+    return float(torch.finfo(kv_cache.dtype).max) if kv_cache.dtype in FP8_DTYPES else 0.0
 
 
 def _check_cache_inputs(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -111,7 +128,7 @@ def triton_write_kv_cache(
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         *kv_cache.stride()[:4], kv_cache.shape[2],
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads), FP8_MAX=fp8_max(kv_cache),
     )
 
 
@@ -143,5 +160,5 @@ def triton_rotary_write_kv_cache(
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         Q_HEADS_PAD=triton.next_power_of_2(num_heads), HALF_PAD=triton.next_power_of_2(half),
-        num_warps=4,
+        FP8_MAX=fp8_max(kv_cache), num_warps=4,
     )

@@ -12,6 +12,10 @@ The race: argmax_i (x_i / T + G_i) with G_i = -log(-log U_i) standard Gumbel noi
 token i with probability softmax(x / T)_i (the exponential race of layers/sampler.py in
 log space). U comes from Philox (tl.rand) keyed by the row's seed and the token's index, so
 a row's draw depends only on its seed, not on the batch around it.
+
+With a threshold per row (kernels/triton_threshold: the top-k / top-p / min-p cut), tokens
+whose x / T is below it drop out of the race: the draw is from the renormalised kept
+distribution, no sort of the row.
 """
 from __future__ import annotations
 
@@ -25,10 +29,10 @@ CHUNK = 4096
 
 
 @triton.jit
-def _row_stats_kernel(logits_ptr, idx_ptr, lse_ptr, token_ptr, inv_temp_ptr, seed_ptr,
+def _row_stats_kernel(logits_ptr, idx_ptr, lse_ptr, token_ptr, inv_temp_ptr, seed_ptr, thr_ptr,
                       part_m_ptr, part_s_ptr, part_i_ptr, part_r_ptr, part_j_ptr, count_ptr,
                       V, stride, CHUNKS: tl.constexpr, CHUNKS_PAD: tl.constexpr,
-                      BLOCK: tl.constexpr, RANDOM: tl.constexpr):
+                      BLOCK: tl.constexpr, RANDOM: tl.constexpr, THRESHOLD: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
@@ -42,8 +46,12 @@ def _row_stats_kernel(logits_ptr, idx_ptr, lse_ptr, token_ptr, inv_temp_ptr, see
     j = first
     if RANDOM:
         u = tl.rand(tl.load(seed_ptr + row), cols)
-        score = v * tl.load(inv_temp_ptr + row) - tl.log(-tl.log(u))
-        score = tl.where(cols < V, score, float("-inf"))
+        z = v * tl.load(inv_temp_ptr + row)
+        score = z - tl.log(-tl.log(u))
+        keep = cols < V
+        if THRESHOLD:
+            keep = keep & (z >= tl.load(thr_ptr + row))
+        score = tl.where(keep, score, float("-inf"))
         r = tl.max(score, 0)
         j = tl.min(tl.where(score == r, cols, V), 0)
     if CHUNKS == 1:
@@ -87,7 +95,8 @@ def _row_stats_kernel(logits_ptr, idx_ptr, lse_ptr, token_ptr, inv_temp_ptr, see
 
 
 def _launch(logits: torch.Tensor, inv_temp: torch.Tensor | None, seeds: torch.Tensor | None,
-            block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            block: int, thresholds: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     rows, vocab = logits.shape
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
@@ -105,10 +114,11 @@ def _launch(logits: torch.Tensor, inv_temp: torch.Tensor | None, seeds: torch.Te
     random = seeds is not None
     _row_stats_kernel[(rows, chunks)](
         logits, idx, lse, tokens, inv_temp if random else lse, seeds if random else idx,
+        thresholds if thresholds is not None else lse,
         part_m, part_s, part_i, part_r, part_j,
         counters("row_stats", device, rows), vocab, logits.stride(0),
         CHUNKS=chunks, CHUNKS_PAD=triton.next_power_of_2(chunks), BLOCK=block, RANDOM=random,
-        num_warps=8,
+        THRESHOLD=thresholds is not None, num_warps=8,
     )
     return idx, lse, tokens
 
@@ -122,9 +132,11 @@ def row_argmax_logsumexp(logits: torch.Tensor, block: int = CHUNK
 
 
 def sample_rows(logits: torch.Tensor, inv_temperature: torch.Tensor, seeds: torch.Tensor,
-                block: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """logits [rows, vocab], inv_temperature [rows] fp32 (0: greedy), seeds [rows] int64 ->
-    (tokens [rows]: a draw from softmax(logits / T) per row, the argmax where 1/T is 0;
-    the argmax [rows]; logsumexp [rows, 1])."""
-    idx, lse, tokens = _launch(logits, inv_temperature, seeds, block)
+                block: int = CHUNK, thresholds: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits [rows, vocab], inv_temperature [rows] fp32 (0: greedy), seeds [rows] int64,
+    thresholds [rows] fp32 on logits / T or None -> (tokens [rows]: a draw from
+    softmax(logits / T) over the tokens at or above the row's threshold, the argmax where
+    1/T is 0; the argmax [rows]; logsumexp [rows, 1] of the logits, uncut)."""
+    idx, lse, tokens = _launch(logits, inv_temperature, seeds, block, thresholds)
     return tokens, idx, lse

@@ -12,10 +12,16 @@ transfer that waits is the packed result coming back.
 On CUDA, when every row is greedy or plain temperature sampling (one sample, no top-k, top-p
 or min-p), one Triton kernel reads the logits once for the tokens (the race as Gumbel-max
 with Philox noise seeded per row) and the logsumexp (kernels/triton_sampling.py).
+
+PAGEDLLM_SAMPLER=sortfree (default sort) also takes rows with top-k, top-p or min-p (one
+sample each) there: a first kernel finds each row's cut as a threshold by pivot search, no
+sort (kernels/triton_threshold.py), and the race skips the tokens below it. The sort path
+sorts the whole [rows, vocab] logits for top-k / top-p.
 """
 from __future__ import annotations
 
 import itertools
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,9 +76,21 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
     return generator
 
 
+SAMPLERS = ("sort", "sortfree")
+
+
+def sampler_kind() -> str:
+    """PAGEDLLM_SAMPLER: how CUDA rows with top-k / top-p / min-p are drawn."""
+    kind = os.environ.get("PAGEDLLM_SAMPLER", "sort")
+    if kind not in SAMPLERS:
+        raise ValueError(f"PAGEDLLM_SAMPLER must be one of {', '.join(SAMPLERS)}, got {kind!r}")
+    return kind
+
+
 class Sampler:
     def __init__(self, eos_token_ids: list[int]) -> None:
         self.eos_token_ids = list(eos_token_ids)
+        self.sortfree = sampler_kind() == "sortfree"
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[list[SampleResult]]:
         """logits: [len(rows), vocab]. Returns num_samples results per row."""
@@ -106,7 +124,7 @@ class Sampler:
         sample_rows = _sample_rows(rows, x.device)
         token_ids = lse = None
         if logits.is_cuda:
-            token_ids, lse = _sample_with_triton(logits, x, rows)
+            token_ids, lse = _sample_with_triton(logits, x, rows, self.sortfree)
         if token_ids is None:
             token_ids = _choose_tokens(x, rows, sample_rows)
         if refused is not None:
@@ -309,25 +327,42 @@ def _row_seeds(rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
     return seeds
 
 
-def _sample_with_triton(logits: torch.Tensor, x: torch.Tensor, rows: list[SamplingRow]
-                        ) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """kernels/triton_sampling: the tokens of x's rows when every row is plain (None
-    otherwise: _choose_tokens draws them) and the logsumexp of the raw logits, in one pass
-    over the logits where x is the logits."""
+def _sample_with_triton(logits: torch.Tensor, x: torch.Tensor, rows: list[SamplingRow],
+                        sortfree: bool = False) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """kernels/triton_sampling: the tokens of x's rows when every row is plain, or (sortfree)
+    every row has one sample (None otherwise: _choose_tokens draws them), and the
+    logsumexp of the raw logits, in one pass over the logits where x is the logits."""
     from pagedllm.kernels import triton_sampling
 
-    if not all(_plain_row(r, x.shape[1]) for r in rows):
+    vocab = x.shape[1]
+    plain = all(_plain_row(r, vocab) for r in rows)
+    if not plain and not (sortfree and all(r.num_samples == 1 for r in rows)):
         return None, triton_sampling.row_argmax_logsumexp(logits)[1]
     if all(r.params.sampling_type == SamplingType.GREEDY for r in rows):
         tokens, lse = triton_sampling.row_argmax_logsumexp(x)
     else:
-        inv_temp = [0.0 if r.params.sampling_type == SamplingType.GREEDY
-                    else 1.0 / r.params.temperature for r in rows]
+        inv_temp = host_to_device([0.0 if r.params.sampling_type == SamplingType.GREEDY
+                                   else 1.0 / r.params.temperature for r in rows],
+                                  torch.float32, x.device)
+        thresholds = None if plain else _thresholds(x, rows, inv_temp)
         tokens, _, lse = triton_sampling.sample_rows(
-            x, host_to_device(inv_temp, torch.float32, x.device), _row_seeds(rows, x.device))
+            x, inv_temp, _row_seeds(rows, x.device), thresholds=thresholds)
     if x is not logits:
         lse = triton_sampling.row_argmax_logsumexp(logits)[1]
     return tokens, lse
+
+
+def _thresholds(x: torch.Tensor, rows: list[SamplingRow], inv_temp: torch.Tensor
+                ) -> torch.Tensor:
+    """Each row's top-k / top-p / min-p cut on x / T (kernels/triton_threshold)."""
+    from pagedllm.kernels.triton_threshold import row_thresholds
+
+    vocab, device = x.shape[1], x.device
+    top_k = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows]
+    return row_thresholds(
+        x, inv_temp, host_to_device(top_k, torch.int32, device),
+        host_to_device([r.params.top_p for r in rows], torch.float32, device),
+        host_to_device([r.params.min_p for r in rows], torch.float32, device))
 
 
 def _choose_tokens(x: torch.Tensor, rows: list[SamplingRow],

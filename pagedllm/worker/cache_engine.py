@@ -12,10 +12,25 @@ import math
 import numpy as np
 import torch
 
-from pagedllm.config import ModelConfig
+from pagedllm.config import KV_CACHE_DTYPES, ModelConfig
 from pagedllm.models.device_map import DeviceMap
 
 logger = logging.getLogger(__name__)
+
+
+def resolve_kv_cache_dtype(kind: str, devices: list[torch.device], dtype: torch.dtype
+                           ) -> torch.dtype:
+    """--kv-cache-dtype: auto is the model's dtype; fp8 / fp8_e4m3 store float8_e4m3fn
+    (scale 1.0, kernels/triton_cache.py), which only the Triton kernels read."""
+    if kind not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                         f"got {kind!r}")
+    if kind == "auto":
+        return dtype
+    if any(d.type != "cuda" for d in devices):
+        raise ValueError(f"--kv-cache-dtype {kind} needs CUDA: the CPU kernels read the KV "
+                         "cache in the model's dtype; use --kv-cache-dtype auto")
+    return torch.float8_e4m3fn
 
 
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, num_layers: int) -> int:
@@ -104,6 +119,8 @@ class CacheEngine:
             return on_device[which, device]
 
         for s, d in zip(src, dst):
+            if s.element_size() == 1:  # FP8: moved as bytes (indexing need not know the type)
+                s, d = s.view(torch.uint8), d.view(torch.uint8)
             # Gather on the source, one transfer, scatter on the destination. A copy to the
             # host is synchronous so the scatter reads complete data.
             blocks = s[:, :, ids("src", src_ids, s.device)]

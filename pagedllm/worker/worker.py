@@ -25,7 +25,7 @@ from pagedllm.models.registry import build_empty_model
 from pagedllm.layers import dispatch
 from pagedllm.layers.linear import prepack_model
 from pagedllm.worker import memory
-from pagedllm.worker.cache_engine import CacheEngine, bytes_per_block
+from pagedllm.worker.cache_engine import CacheEngine, bytes_per_block, resolve_kv_cache_dtype
 from pagedllm.worker.cuda_graphs import graphs_supported
 from pagedllm.worker.placement import (
     PlacementInputs, WeightSizes, check_weights_fit, describe, place_model, plan_auto,
@@ -140,6 +140,9 @@ class Worker:
         if explicit_map is not None:
             device = explicit_map.input_device
         self.dtype = resolve_dtype(args.dtype, device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(
+            args.kv_cache_dtype, explicit_map.devices if explicit_map is not None else [device],
+            self.dtype)
         self.quantization = resolve_quantization(
             args.quantization, source.load_format,
             explicit_map.devices if explicit_map is not None else [device], args.dtype)
@@ -169,7 +172,8 @@ class Worker:
             raise ValueError("no memory is left for the KV cache: lower the batch limits or "
                              "give the cache more memory")
         kv_config = self.kv_config
-        all_layers_block = bytes_per_block(kv_config, args.block_size, self.dtype,
+        resolve_kv_cache_dtype(args.kv_cache_dtype, self.device_map.devices, self.dtype)  # "auto" maps
+        all_layers_block = bytes_per_block(kv_config, args.block_size, self.kv_cache_dtype,
                                            kv_config.num_hidden_layers)
         if draft is not None:
             # The draft's cache has the same blocks: the budget pays for both per block.
@@ -181,7 +185,8 @@ class Worker:
             all_layers_block += draft_block
         self.num_cpu_blocks = int(args.swap_space * (1 << 30)) // all_layers_block
         self.cache_engine = CacheEngine(
-            kv_config, args.block_size, self.num_gpu_blocks, self.num_cpu_blocks, self.dtype,
+            kv_config, args.block_size, self.num_gpu_blocks, self.num_cpu_blocks,
+            self.kv_cache_dtype,
             self.device_map,
         )
         if draft is not None:
@@ -210,9 +215,10 @@ class Worker:
         ):
             logger.info(line)
         logger.info(
-            "KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB); swap space %d blocks",
+            "KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s); swap space %d blocks",
             self.num_gpu_blocks, block_size, self.num_gpu_blocks * block_size,
-            self.num_gpu_blocks * all_layers_block / (1 << 30), self.num_cpu_blocks,
+            self.num_gpu_blocks * all_layers_block / (1 << 30),
+            str(self.kv_cache_dtype).removeprefix("torch."), self.num_cpu_blocks,
         )
 
     # ------------------------------------------------------------------ loading
@@ -270,7 +276,8 @@ class Worker:
         if device_map == "auto":
             device_map = plan_auto(self._usable_memory(args), PlacementInputs(
                 sizes,
-                kv_block_bytes=bytes_per_block(self.kv_config, args.block_size, self.dtype, 1),
+                kv_block_bytes=bytes_per_block(self.kv_config, args.block_size,
+                                               self.kv_cache_dtype, 1),
                 activation_peak=self._activation_peak(),
                 min_blocks=math.ceil(self.max_model_len / args.block_size),
             ))
@@ -315,7 +322,7 @@ class Worker:
             d: memory.kv_budget(d, peaks[d], utilization[d], kv_memory[d]) for d in devices
         }
         block_bytes = {
-            d: bytes_per_block(self.kv_config, args.block_size, self.dtype,
+            d: bytes_per_block(self.kv_config, args.block_size, self.kv_cache_dtype,
                                self.device_map.layers_on(d))
             for d in devices
         }
