@@ -268,3 +268,49 @@ def test_sharegpt_workload_runs_shrunk(tmp_path, capsys):
         (run["input_tokens"] + run["output_tokens"]) / run["elapsed_s"])
     printed = capsys.readouterr().out
     assert "total tok/s" in printed and "input_len: mean" in printed
+
+
+def test_serve_arrivals_are_seeded_poisson():
+    from pagedllm.benchmarks.serve_bench import arrival_gaps
+
+    gaps = arrival_gaps(4.0, 2000, seed=7)
+    assert gaps == arrival_gaps(4.0, 2000, seed=7) != arrival_gaps(4.0, 2000, seed=8)
+    assert gaps[0] == 0.0 and all(g > 0 for g in gaps[1:])
+    assert 0.22 < sum(gaps) / 1999 < 0.28  # mean gap 1 / rate
+    assert arrival_gaps(float("inf"), 3, seed=0) == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--request-rate", "0"], "must be positive (or inf), got 0"),
+    (["--request-rate", "fast"], "not a number of requests/s: 'fast'"),
+    (["--num-prompts", "0"], "--num-requests must be at least 1"),
+])
+def test_serve_bench_refuses_bad_rates(argv, message):
+    from pagedllm.benchmarks import serve_bench
+
+    with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        serve_bench.main(["--url", "http://127.0.0.1:9", *argv])
+
+
+@pytest.mark.slow
+def test_serve_bench_at_request_rates_writes_json(tmp_path, capsys):
+    """Two rates against the default model on the CPU: every request answered, the figures
+    printed per rate and written to --out."""
+    from pagedllm.benchmarks import serve_bench
+
+    out = tmp_path / "serve.json"
+    code = serve_bench.main(["--request-rate", "8", "inf", "--num-prompts", "3",
+                             "--max-tokens", "4", "--out", str(out),
+                             "--num-gpu-blocks-override", "64", "--swap-space", "0.01"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "request rate 8.0/s, requests 3 (0 failed)" in printed
+    assert "request rate inf/s, requests 3 (0 failed)" in printed
+    report = json.loads(out.read_text())
+    assert (report["num_prompts"], report["max_tokens"], report["seed"]) == (3, 4, 0)
+    assert [run["request_rate"] for run in report["runs"]] == [8.0, "inf"]
+    for run in report["runs"]:
+        assert (run["requests"], run["failed"], run["output_tokens"]) == (3, 0, 12)
+        assert run["requests_per_s"] > 0 and run["output_tokens_per_s"] > 0
+        assert 0 < run["ttft_p50_ms"] <= run["ttft_p99_ms"]
+        assert 0 < run["itl_p50_ms"] <= run["itl_p99_ms"]

@@ -5,6 +5,7 @@ import argparse
 import os
 import socket
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -156,3 +157,47 @@ def test_chat_reads_stdin_and_keeps_history(default_llm):
     # Without the history the second answer would differ, so the check above needs it.
     alone = default_llm.chat([history[2]], params, use_tqdm=False)[0].outputs[0].text
     assert alone != answers[1]
+
+
+def _read_until(fd: int, marker: bytes, seen: bytearray, timeout: float) -> None:
+    """Read the terminal into `seen` until `marker` appears after what was there already."""
+    import select
+
+    start, deadline = len(seen), time.monotonic() + timeout
+    while marker not in bytes(seen[start:]):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise AssertionError(f"no {marker!r} on the terminal in {timeout} s: {bytes(seen)!r}")
+        if select.select([fd], [], [], left)[0]:
+            try:
+                seen += os.read(fd, 65536)
+            except OSError:  # the child closed the terminal
+                raise AssertionError(f"the terminal closed before {marker!r}: {bytes(seen)!r}")
+
+
+@pytest.mark.slow
+def test_chat_edits_the_line_at_a_terminal(tmp_path):
+    """Under a pseudo-terminal, readline edits the line: typing `abd`, the left arrow and `c`
+    sends `abcd`, which the history file then holds; the arrow is never echoed as ^[[D."""
+    main_fd, child_fd = os.openpty()
+    env = dict(os.environ, PYTHONPATH=str(REPO), HOME=str(tmp_path), TERM="xterm")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pagedllm.entrypoints.cli", "chat", "--max-tokens", "2",
+         *SMALL_ENGINE], cwd=REPO, env=env, stdin=child_fd, stdout=child_fd,
+        stderr=child_fd, start_new_session=True)
+    os.close(child_fd)
+    seen = bytearray()
+    try:
+        _read_until(main_fd, b"> ", seen, 300)  # the model is loaded: the first prompt
+        os.write(main_fd, b"abd\x1b[Dc\r")
+        _read_until(main_fd, b"\n> ", seen, 120)  # answered: the next prompt
+        os.write(main_fd, b"/exit\r")
+        assert proc.wait(timeout=60) == 0, bytes(seen)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(main_fd)
+    assert b"^[[D" not in seen and b"abdc" not in seen
+    history = (tmp_path / ".cache/pagedllm/chat_history").read_text().splitlines()
+    assert history[-2:] == ["abcd", "/exit"], history

@@ -21,11 +21,13 @@ KEY = "sk-hardening"
 LIMIT = 1000  # --max-request-bytes
 HEADER_TIMEOUT = 2.0
 CAP = 4  # --max-connections
+MAX_HEADERS = 40  # --h11-max-header-count
 ORIGIN = "https://app.example"
 SMALL_MODEL = ["--model", "smollm2-135m", "--load-format", "dummy",
                "--num-gpu-blocks-override", "32", "--swap-space", "0.01",
                "--max-model-len", "64", "--max-tokens-default", "5"]
 AUTH = {"Authorization": f"Bearer {KEY}"}
+BEARER = f"Authorization: Bearer {KEY}\r\n".encode()
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +35,7 @@ def server():
     yield from serve([*SMALL_MODEL, "--api-key", KEY, "--max-request-bytes", str(LIMIT),
                       "--header-timeout", str(HEADER_TIMEOUT), "--timeout-keep-alive", "1",
                       "--max-connections", str(CAP), "--allowed-origins", ORIGIN,
+                      "--h11-max-header-count", str(MAX_HEADERS),
                       "--allow-credentials", "--enable-fastapi-docs"])
 
 
@@ -69,13 +72,13 @@ def test_chunked_body_over_the_limit_gets_its_whole_413(server):
 
     for _ in range(3):
         resp = httpx.post(server.url + "/v1/completions", content=chunks(),
-                          headers={"Content-Type": "application/json"})
+                          headers={"Content-Type": "application/json", **AUTH})
         assert resp.status_code == 413 and resp.json() == TOO_LARGE
         assert resp.headers["connection"] == "close"
     host, port = address(server.url)
     for _ in range(3):
         with socket.create_connection((host, port)) as sock:
-            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n" + BEARER +
                          b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
             for _ in range(50):
                 sock.sendall(b"1000\r\n" + b"y" * 4096 + b"\r\n")
@@ -85,8 +88,8 @@ def test_chunked_body_over_the_limit_gets_its_whole_413(server):
         assert json.loads(body) == TOO_LARGE
     # A declared length over the limit: the same answer, the body drained as well.
     with socket.create_connection((host, port)) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 300000\r\n\r\n"
-                     + b"z" * 300000)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + BEARER
+                     + b"Content-Length: 300000\r\n\r\n" + b"z" * 300000)
         head, _, body = read_until_closed(sock, 10).partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 413 ") and json.loads(body) == TOO_LARGE
 
@@ -108,6 +111,95 @@ def test_the_key_is_checked_before_the_body(server, body):
     resp = httpx.post(server.url + "/v1/messages", content=body,
                       headers={**json_type, "x-api-key": KEY})
     assert resp.status_code == 400 and resp.json()["type"] == "error"
+
+
+ANTHROPIC_TOO_LARGE = {"type": "error", "error": {
+    "type": "request_too_large", "message": TOO_LARGE["error"]["message"]}}
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_the_key_is_checked_before_a_body_over_the_limit(server, chunked):
+    """Without the key a body too large to read is a 401 (its size is none of the caller's
+    business); with the key, the 413. Both arrive whole after the drain."""
+    def send(path: str, headers: dict) -> httpx.Response:
+        body = b"x" * 50_000
+        content = iter([body[:25_000], body[25_000:]]) if chunked else body
+        return httpx.post(server.url + path, content=content,
+                          headers={"Content-Type": "application/json", **headers})
+
+    for path in ("/v1/chat/completions", "/v1/completions", "/tokenize"):
+        resp = send(path, {})
+        assert resp.status_code == 401, (path, resp.text)
+        assert resp.json()["error"]["code"] == "invalid_api_key"
+        assert resp.headers["connection"] == "close"
+        resp = send(path, {"Authorization": "Bearer wrong"})
+        assert resp.status_code == 401, (path, resp.text)
+        resp = send(path, AUTH)
+        assert resp.status_code == 413 and resp.json() == TOO_LARGE
+    resp = send("/v1/messages", {})
+    assert resp.status_code == 401
+    assert resp.json() == {"type": "error", "error": {"type": "authentication_error",
+                                                      "message": "invalid x-api-key"}}
+    resp = send("/v1/messages", {"x-api-key": KEY})
+    assert resp.status_code == 413 and resp.json() == ANTHROPIC_TOO_LARGE
+    resp = send("/health", {})  # an open route: no key to check, the 413
+    assert resp.status_code == 413 and resp.json() == TOO_LARGE
+
+
+def test_anthropic_routes_answer_every_error_in_anthropic_shape(server):
+    anthropic = {"x-api-key": KEY, "Content-Type": "application/json"}
+    cases = [
+        ("POST", "/v1/messages", {}, b'{"model": "m"}', 401, "authentication_error"),
+        ("POST", "/v1/messages", anthropic, b"\xff\xfe{}", 400, "invalid_request_error"),
+        ("POST", "/v1/messages", anthropic, b'{"model": "m", "max_tokens": 4, "messages": [{"role":'
+         b' "user", "content": "\xc3\x28"}]}', 400, "invalid_request_error"),
+        ("POST", "/v1/messages/count_tokens", anthropic, b"[1, 2", 400,
+         "invalid_request_error"),
+        ("GET", "/v1/messages", anthropic, None, 405, "invalid_request_error"),
+        ("POST", "/v1/messages/nowhere", anthropic, b"{}", 404, "not_found_error"),
+    ]
+    for method, path, headers, body, status, kind in cases:
+        resp = httpx.request(method, server.url + path, content=body, headers=headers)
+        assert resp.status_code == status, (path, body, resp.text)
+        error = resp.json()
+        assert set(error) == {"type", "error"} and error["type"] == "error", error
+        assert error["error"]["type"] == kind and error["error"]["message"], error
+    # The OpenAI routes keep OpenAI's shape for the same mistakes.
+    for method, path, status in [("GET", "/v1/chat/completions", 405),
+                                 ("POST", "/v1/nowhere", 404)]:
+        resp = httpx.request(method, server.url + path, headers=AUTH)
+        assert resp.status_code == status
+        assert set(resp.json()) == {"error"}
+        assert resp.json()["error"]["type"] == "invalid_request_error"
+    resp = httpx.post(server.url + "/v1/chat/completions", content=b"\xff\xfe{}",
+                      headers={**AUTH, "Content-Type": "application/json"})
+    assert resp.status_code == 400 and set(resp.json()) == {"error"}
+
+
+@pytest.mark.parametrize("path, shape", [("/v1/chat/completions", "openai"),
+                                         ("/v1/messages", "anthropic")])
+def test_more_headers_than_the_cap_get_431_and_a_closed_connection(server, path, shape):
+    host, port = address(server.url)
+    extra = b"".join(b"X-Extra-%d: v\r\n" % k for k in range(MAX_HEADERS))
+    with socket.create_connection((host, port)) as sock:
+        sock.sendall(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\n" + extra
+                     + b"Content-Length: 2\r\n\r\n{}")
+        head, _, body = read_until_closed(sock, 10).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n"), head
+    assert b"connection: close" in head.lower()
+    message = (f"the request has {MAX_HEADERS + 2} headers, more than this server's limit "
+               f"of {MAX_HEADERS} (`pagedllm serve --h11-max-header-count`)")
+    error = json.loads(body)
+    if shape == "anthropic":
+        assert error == {"type": "error", "error": {"type": "invalid_request_error",
+                                                    "message": message}}
+    else:
+        assert error["error"]["message"] == message
+        assert error["error"]["code"] == "too_many_headers"
+    # At the cap exactly, the request goes through (to the key check).
+    with httpx.Client() as client:
+        headers = {f"X-Extra-{k}": "v" for k in range(MAX_HEADERS - 8)}
+        assert client.get(server.url + "/health", headers=headers).status_code == 200
 
 
 def test_with_the_key_a_malformed_body_names_the_problem(server):
@@ -243,6 +335,7 @@ def test_http_flags_parse_and_refuse_bad_values():
     for argv, message in [
         (["--header-timeout", "0"], "--header-timeout must be a positive number of seconds"),
         (["--max-connections", "0"], "--max-connections must be at least 1, got 0"),
+        (["--h11-max-header-count", "0"], "--h11-max-header-count must be at least 1, got 0"),
         (["--allowed-origins", "[1]"], "--allowed-origins: a JSON list of strings"),
         (["--enable-fastapi-docs", "--disable-fastapi-docs"], "contradict"),
     ]:

@@ -15,7 +15,8 @@ WORKLOAD_HELP = {
     "spec": "speculative decoding (n-gram, draft model) vs plain decoding: tok/s, acceptance",
     "structured": "structured output: per-token cost of grammar masks at batch 1 and 32",
     "sharegpt": "Llama-3-8B shape, a ShareGPT-like mix of 1,000 sampled requests: tok/s",
-    "serve": "concurrent streaming clients against the OpenAI-compatible server",
+    "serve": "streaming requests against the server: concurrent clients or fixed "
+             "request rates (TTFT, ITL)",
     "engine-state": "cost of one GET /v1/engine/state snapshot at 256 running sequences",
     "load": "LLM(), `pagedllm --help` and `generate` in fresh processes vs transformers' load",
     "big-prompt": "a stream's inter-token latency while another client sends a huge prompt",

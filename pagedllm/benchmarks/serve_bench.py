@@ -1,14 +1,20 @@
-"""`pagedllm bench serve`: N concurrent streaming clients against the HTTP server.
+"""`pagedllm bench serve`: streaming requests against the HTTP server, either from N
+concurrent clients (each sends its next request when the last one ends) or, as vLLM's serving
+benchmark, at fixed request rates (`--request-rate 1 2 4 inf`: Poisson arrivals drawn from
+--seed; inf sends every request at once).
 
 Drives a running server (--url) or starts one (`pagedllm serve --port 0` plus any options
 this command does not know), and reports requests/s, output tokens/s, time to first token
-and inter-token latency (p50 / p99).
+and inter-token latency (p50 / p99), per rate; --out writes them as JSON.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import itertools
 import json
+import math
+import random
 import re
 import statistics
 import subprocess
@@ -86,16 +92,23 @@ async def stream_one(
     return result
 
 
+def _client(url: str, api_key: str | None, connections: int) -> httpx.AsyncClient:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return httpx.AsyncClient(base_url=url, headers=headers, timeout=600,
+                             limits=httpx.Limits(max_connections=connections + 1))
+
+
+async def _served_model(client: httpx.AsyncClient) -> str:
+    models = await client.get("/v1/models")
+    models.raise_for_status()
+    return models.json()["data"][0]["id"]
+
+
 async def run_clients(
     url: str, num_clients: int, num_requests: int, max_tokens: int, api_key: str | None = None
 ) -> tuple[list[RequestResult], float]:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=num_clients + 1)
-    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600,
-                                 limits=limits) as client:
-        models = await client.get("/v1/models")
-        models.raise_for_status()
-        model = models.json()["data"][0]["id"]
+    async with _client(url, api_key, num_clients) as client:
+        model = await _served_model(client)
         counter = itertools.count()
         results: list[RequestResult] = []
 
@@ -106,6 +119,33 @@ async def run_clients(
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(num_clients)))
+        return results, time.perf_counter() - start
+
+
+def arrival_gaps(rate: float, count: int, seed: int) -> list[float]:
+    """The seconds before each request: a Poisson process of `rate` requests/s (exponential
+    gaps), the first request at 0; an infinite rate sends them all at once."""
+    if math.isinf(rate):
+        return [0.0] * count
+    rng = random.Random(seed)
+    return [0.0] + [rng.expovariate(rate) for _ in range(count - 1)]
+
+
+async def run_rate(
+    url: str, rate: float, num_prompts: int, max_tokens: int, seed: int,
+    api_key: str | None = None
+) -> tuple[list[RequestResult], float]:
+    """num_prompts requests arriving at `rate` requests/s, however many are in flight."""
+    async with _client(url, api_key, num_prompts) as client:
+        model = await _served_model(client)
+        await stream_one(client, model, PROMPTS[0], 2)  # warm-up, not counted
+        tasks = []
+        start = time.perf_counter()
+        for i, gap in enumerate(arrival_gaps(rate, num_prompts, seed)):
+            await asyncio.sleep(gap)
+            tasks.append(asyncio.ensure_future(
+                stream_one(client, model, PROMPTS[i % len(PROMPTS)], max_tokens)))
+        results = list(await asyncio.gather(*tasks))
         return results, time.perf_counter() - start
 
 
@@ -136,10 +176,10 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, float]
     }
 
 
-def format_summary(summary: dict[str, float], num_clients: int) -> str:
-    s = summary
+def format_summary(summary: dict[str, float | None], load: str) -> str:
+    s = {k: float("nan") if v is None else v for k, v in summary.items()}
     return "\n".join([
-        f"clients {num_clients}, requests {s['requests']} ({s['failed']} failed) "
+        f"{load}, requests {s['requests']} ({s['failed']} failed) "
         f"in {s['duration_s']:.2f} s",
         f"  requests/s         {s['requests_per_s']:10.2f}",
         f"  output tokens/s    {s['output_tokens_per_s']:10.1f}",
@@ -165,19 +205,66 @@ def start_server(serve_args: list[str], timeout: float = 600) -> tuple[subproces
     raise RuntimeError(f"the server did not start (exit code {proc.returncode})")
 
 
-def main(argv: list[str]) -> int:
+def request_rate(value: str) -> float:
+    try:
+        rate = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of requests/s: {value!r}") from None
+    if not rate > 0:
+        raise argparse.ArgumentTypeError(f"must be positive (or inf), got {value}")
+    return rate
+
+
+def build_parser() -> Parser:
     parser = Parser(prog="pagedllm bench serve",
-                    description="Concurrent streaming clients against the OpenAI-compatible "
-                    "server. Options not listed here go to `pagedllm serve` when this "
-                    "command starts the server itself.")
+                    description="Streaming requests against the OpenAI-compatible server, "
+                    "from concurrent clients or at fixed request rates. Options not listed "
+                    "here go to `pagedllm serve` when this command starts the server itself.")
     parser.add_argument("--url", default=None,
                         help="a running server, e.g. http://127.0.0.1:8000 (default: start one)")
     parser.add_argument("--api-key", default=None)
-    parser.add_argument("--num-clients", type=int, default=8)
-    parser.add_argument("--num-requests", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--request-rate", type=request_rate, nargs="+", default=None,
+                        metavar="R", help="requests/s, Poisson arrivals (inf: all at once); "
+                        "several values run one after another (default: --num-clients mode)")
+    parser.add_argument("--seed", type=int, default=0, help="of the arrival times (default: 0)")
+    parser.add_argument("--num-clients", type=int, default=8,
+                        help="concurrent clients, without --request-rate (default: 8)")
+    parser.add_argument("--num-requests", "--num-prompts", dest="num_requests", type=int,
+                        default=32, help="requests per run (per rate) (default: 32)")
+    parser.add_argument("--max-tokens", type=int, default=64,
+                        help="output tokens of every request (ignore_eos) (default: 64)")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
-    args, serve_args = parser.parse_known_args(argv)
+    parser.add_argument("--out", default=None, metavar="FILE.json",
+                        help="write the runs' results to this file as JSON")
+    return parser
+
+
+def _runs(args: argparse.Namespace, url: str) -> list[dict]:
+    """One summary per rate (or the one concurrent-clients run), with its load named."""
+    runs = []
+    for rate in args.request_rate or [None]:
+        if rate is None:
+            results, duration = asyncio.run(run_clients(
+                url, args.num_clients, args.num_requests, args.max_tokens, args.api_key))
+            load = {"num_clients": args.num_clients}
+        else:
+            results, duration = asyncio.run(run_rate(
+                url, rate, args.num_requests, args.max_tokens, args.seed, args.api_key))
+            load = {"request_rate": "inf" if math.isinf(rate) else rate}
+        for error in sorted({r.error for r in results if r.error})[:5]:
+            print(f"failed request: {error}", file=sys.stderr)
+        summary = {k: None if isinstance(v, float) and math.isnan(v) else v
+                   for k, v in summarize(results, duration).items()}  # JSON has no NaN
+        runs.append({**load, **summary})
+        label = (f"clients {args.num_clients}" if rate is None
+                 else f"request rate {load['request_rate']}/s")
+        print(json.dumps(runs[-1]) if args.json else format_summary(runs[-1], label),
+              flush=True)
+    return runs
+
+
+def main(argv: list[str]) -> int:
+    args, serve_args = build_parser().parse_known_args(argv)
     for name in ("num_clients", "num_requests", "max_tokens"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
@@ -193,18 +280,17 @@ def main(argv: list[str]) -> int:
         except RuntimeError as exc:
             raise UsageError(str(exc)) from None
     try:
-        results, duration = asyncio.run(run_clients(
-            url.rstrip("/"), args.num_clients, args.num_requests, args.max_tokens, args.api_key
-        ))
+        runs = _runs(args, url.rstrip("/"))
     except httpx.HTTPError as exc:
         raise UsageError(f"cannot reach the server at {url}: {exc}") from None
     finally:
         if proc is not None:
             proc.terminate()
             proc.wait(timeout=30)
-    summary = summarize(results, duration)
-    print(json.dumps(summary) if args.json else format_summary(summary, args.num_clients))
-    errors = {r.error for r in results if r.error}
-    for error in sorted(errors)[:5]:
-        print(f"failed request: {error}", file=sys.stderr)
-    return 0 if summary["failed"] == 0 else 1
+    if args.out:
+        report = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                  "url": args.url, "serve_args": serve_args, "max_tokens": args.max_tokens,
+                  "num_prompts": args.num_requests, "seed": args.seed, "runs": runs}
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0 if all(run["failed"] == 0 for run in runs) else 1

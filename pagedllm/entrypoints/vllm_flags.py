@@ -84,6 +84,9 @@ def add_http_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--h11-max-incomplete-event-size", type=int, default=16 << 10,
                    metavar="BYTES", help="the largest request head; a larger one is "
                    "answered 400 (default: 16384)")
+    g.add_argument("--h11-max-header-count", type=int, default=256, metavar="N",
+                   help="the most headers a request may have; more are answered 431 and "
+                   "the connection closed (default: 256)")
 
 
 def _origin_list(flag: str, value: str) -> list[str]:
@@ -107,7 +110,8 @@ def http_config(args: argparse.Namespace) -> dict:
             raise UsageError(f"{flag} must be a positive number of seconds, got {value}")
     for flag, count in (("--max-connections", args.max_connections),
                         ("--h11-max-incomplete-event-size",
-                         args.h11_max_incomplete_event_size)):
+                         args.h11_max_incomplete_event_size),
+                        ("--h11-max-header-count", args.h11_max_header_count)):
         if count < 1:
             raise UsageError(f"{flag} must be at least 1, got {count}")
     if args.enable_fastapi_docs and args.disable_fastapi_docs:
@@ -123,6 +127,7 @@ def http_config(args: argparse.Namespace) -> dict:
         timeout_keep_alive=args.timeout_keep_alive, header_timeout=args.header_timeout,
         max_connections=args.max_connections,
         h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
+        h11_max_header_count=args.h11_max_header_count,
     )
 
 

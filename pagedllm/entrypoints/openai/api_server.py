@@ -23,14 +23,17 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
+from starlette.routing import Match
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pagedllm.entrypoints.openai.auth import key_check, key_error
+from pagedllm.entrypoints.openai.error_shape import error_body
 from pagedllm.entrypoints.openai.body_limit import DEFAULT_MAX_REQUEST_BYTES, RequestBodyLimit
 from pagedllm.entrypoints.openai.http_protocol import (
     DEFAULT_HEADER_TIMEOUT,
     DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_HEADER_COUNT,
     http_protocol,
 )
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
@@ -88,6 +91,7 @@ class ServerConfig:
     header_timeout: float = DEFAULT_HEADER_TIMEOUT
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     h11_max_incomplete_event_size: int = 16 << 10
+    h11_max_header_count: int = DEFAULT_MAX_HEADER_COUNT
 
 
 _ERRORS = {
@@ -144,7 +148,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig | None = None) -> Fas
                   openapi_url="/openapi.json" if config.openapi else None)
     app.state.engine = engine
     app.state.metrics = metrics
-    app.add_middleware(RequestBodyLimit, max_bytes=config.max_request_bytes)
+    app.add_middleware(RequestBodyLimit, max_bytes=config.max_request_bytes,
+                       check_head=_key_refusal(app))
     app.add_middleware(HeadAsGet)
     if config.allowed_origins:  # outermost: a preflight is answered before any check
         app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins,
@@ -235,6 +240,31 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig | None = None) -> Fas
     return app
 
 
+def _key_refusal(app: FastAPI) -> Callable[[Scope], Awaitable[Response | None]]:
+    """The 401 of the route a request's head matches, when its key check fails: what a body
+    too large to read is answered in place of its 413 (the key comes before the body)."""
+    async def check(scope: Scope) -> Response | None:
+        for route in _api_routes(app.router.routes):
+            match, child = route.matches(scope)
+            if match is Match.FULL:
+                error = await key_error(Request({**scope, **child}))
+                return None if error is None else _error_response(error, scope["path"])
+        return None
+
+    return check
+
+
+def _api_routes(routes: list) -> Any:
+    """The app's APIRoutes, also inside included routers (FastAPI from 0.16x keeps an
+    included router whole, in its `original_router`; no router here has a prefix)."""
+    for route in routes:
+        inner = getattr(route, "original_router", None)
+        if inner is not None:
+            yield from _api_routes(inner.routes)
+        elif hasattr(route, "dependant"):
+            yield route
+
+
 def _openapi(app: FastAPI) -> dict[str, Any]:
     """FastAPI's schema less its 422 responses: validation errors answer 400 here."""
     if app.openapi_schema is None:
@@ -297,36 +327,41 @@ async def _cancel_on_disconnect(request: Request, work: Awaitable[Any]) -> Any:
                           type="internal_server_error") from None
 
 
-def _error_response(error: OpenAIError) -> JSONResponse:
-    return JSONResponse(error.to_dict(), status_code=error.status_code)
+def _error_response(error: OpenAIError, path: str = "") -> JSONResponse:
+    """The error in the shape of the API `path` belongs to (Anthropic's on /v1/messages)."""
+    body = error_body(path, error.status_code, error.message, error.type, error.code,
+                      error.param)
+    return JSONResponse(body, status_code=error.status_code)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
-    async def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
-        return _error_response(exc)
+    async def openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        return _error_response(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error_response(await key_error(request) or _validation_to_openai(exc))
+        return _error_response(await key_error(request) or _validation_to_openai(exc),
+                               request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 400:  # a body FastAPI could not read: the key comes first
             unauthorized = await key_error(request)
             if unauthorized is not None:
-                return _error_response(unauthorized)
+                return _error_response(unauthorized, request.url.path)
         kind = "invalid_request_error" if exc.status_code < 500 else "internal_server_error"
-        response = _error_response(OpenAIError(str(exc.detail), exc.status_code, type=kind))
+        response = _error_response(OpenAIError(str(exc.detail), exc.status_code, type=kind),
+                                   request.url.path)
         response.headers.update(exc.headers or {})  # 405's Allow
         return response
 
     @app.exception_handler(Exception)
-    async def unexpected_error(_: Request, exc: Exception) -> JSONResponse:
+    async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unexpected error while serving a request")
         return _error_response(OpenAIError(
             f"internal error: {type(exc).__name__}: {exc}", 500, type="internal_server_error"
-        ))
+        ), request.url.path)
 
 
 def _validation_to_openai(exc: RequestValidationError) -> OpenAIError:
@@ -428,7 +463,8 @@ async def serve(
     app = build_app(engine, config)
     uvicorn_config = uvicorn.Config(
         app, log_level=log_level, timeout_graceful_shutdown=5,
-        http=http_protocol(config.header_timeout, config.max_connections),
+        http=http_protocol(config.header_timeout, config.max_connections,
+                           config.h11_max_header_count),
         timeout_keep_alive=config.timeout_keep_alive,
         h11_max_incomplete_event_size=config.h11_max_incomplete_event_size)
     server = uvicorn.Server(uvicorn_config)

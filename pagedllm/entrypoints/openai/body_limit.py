@@ -2,10 +2,16 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 from starlette.datastructures import Headers
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pagedllm.entrypoints.openai.error_shape import error_body
+
+# The answer to a request refused on its head alone (a missing key: 401), or None.
+HeadCheck = Callable[[Scope], Awaitable[Response | None]]
 
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 # What is read and dropped of a refused body before its answer: closing a socket with unread
@@ -39,11 +45,14 @@ class RequestBodyLimit:
     chunked body without Content-Length is bounded too); over max_bytes, answer 413 in
     OpenAI's error shape (Anthropic's on /v1/messages) and close the connection, without
     parsing a byte of it. The rest of the body is drained first (bounded), so the answer
-    arrives whole."""
+    arrives whole. `check_head` comes first: a caller without the key gets its 401 and
+    learns nothing of the body's size."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                 check_head: HeadCheck | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.check_head = check_head
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -52,11 +61,12 @@ class RequestBodyLimit:
         headers = Headers(scope=scope)
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_bytes:
+            refusal = await self.refusal(scope)
             # Expect: 100-continue: the body is not sent until asked for, so do not ask.
             if ("100-continue" not in headers.get("expect", "").lower()
                     and int(declared) <= self.max_bytes + DRAIN_BYTES):
                 await drain(receive)
-            await self._too_large(scope, receive, send)
+            await refusal(scope, receive, send)
             return
         chunks: list[bytes] = []
         size = 0
@@ -67,9 +77,10 @@ class RequestBodyLimit:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
+                refusal = await self.refusal(scope)
                 if message.get("more_body", False):
                     await drain(receive)
-                await self._too_large(scope, receive, send)
+                await refusal(scope, receive, send)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -86,12 +97,13 @@ class RequestBodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
-        message = (f"the request body is larger than this server's limit of "
-                   f"{self.max_bytes} bytes (`pagedllm serve --max-request-bytes`)")
-        error: dict = {"error": {"message": message, "type": "invalid_request_error",
-                                 "param": None, "code": "request_too_large"}}
-        if scope.get("path", "").startswith("/v1/messages"):  # Anthropic's routes, its shape
-            error = {"type": "error", "error": {"type": "request_too_large", "message": message}}
-        response = JSONResponse(error, status_code=413, headers={"Connection": "close"})
-        await response(scope, receive, send)
+    async def refusal(self, scope: Scope) -> Response:
+        """What a body over the limit is answered, the connection closed after it."""
+        response = await self.check_head(scope) if self.check_head is not None else None
+        if response is None:
+            message = (f"the request body is larger than this server's limit of "
+                       f"{self.max_bytes} bytes (`pagedllm serve --max-request-bytes`)")
+            error = error_body(scope.get("path", ""), 413, message, code="request_too_large")
+            response = JSONResponse(error, status_code=413)
+        response.headers["Connection"] = "close"
+        return response

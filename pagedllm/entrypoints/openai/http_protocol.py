@@ -1,6 +1,7 @@
 """uvicorn's h11 protocol with what a deployment on an open port needs: a deadline for each
-request's head (a connection that never finishes its headers is answered 408 and closed) and
-a cap on connections (a request beyond it is answered 503 in OpenAI's error shape).
+request's head (a connection that never finishes its headers is answered 408 and closed), a
+cap on the headers of a request (more are answered 431 and the connection closed) and a cap
+on connections (a request beyond it is answered 503 in OpenAI's error shape).
 
 uvicorn's own `timeout_keep_alive` only runs between requests, after a first response: a
 socket that sends part of a request line, or nothing, would be held forever.
@@ -8,6 +9,7 @@ socket that sends part of a request line, or nothing, would be held forever.
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import h11
@@ -16,27 +18,68 @@ from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from pagedllm.entrypoints.openai.body_limit import drain
+from pagedllm.entrypoints.openai.error_shape import error_body
 
 DEFAULT_HEADER_TIMEOUT = 10.0
 DEFAULT_MAX_CONNECTIONS = 1000
+DEFAULT_MAX_HEADER_COUNT = 256  # vLLM's --h11-max-header-count
 _TIMED_OUT = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\n"
               b"content-length: 29\r\nconnection: close\r\n\r\nthe request head took too long")
 
 
-def http_protocol(header_timeout: float, max_connections: int) -> type[H11Protocol]:
+def http_protocol(header_timeout: float, max_connections: int,
+                  max_header_count: int = DEFAULT_MAX_HEADER_COUNT) -> type[H11Protocol]:
     """The protocol class for `uvicorn.Config(http=...)`."""
     return type("PagedH11Protocol", (_Protocol,), {"header_timeout": header_timeout,
-                                                   "max_connections": max_connections})
+                                                   "max_connections": max_connections,
+                                                   "max_header_count": max_header_count})
+
+
+class _CountedConnection(h11.Connection):
+    """h11's server side, refusing a request with more than max_header_count headers (h11
+    bounds the head's bytes, not its headers)."""
+
+    def __init__(self, max_header_count: int, max_incomplete_event_size: int) -> None:
+        super().__init__(h11.SERVER, max_incomplete_event_size)
+        self.max_header_count = max_header_count
+        self.refused: h11.Request | None = None
+
+    def next_event(self) -> Any:
+        event = super().next_event()
+        if isinstance(event, h11.Request) and len(event.headers) > self.max_header_count:
+            self.refused = event
+            raise h11.RemoteProtocolError("too many headers", error_status_hint=431)
+        return event
 
 
 class _Protocol(H11Protocol):
     header_timeout: float
     max_connections: int
+    max_header_count: int
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.conn = _CountedConnection(self.max_header_count,
+                                       self.config.h11_max_incomplete_event_size or 16 << 10)
         self.header_timer: asyncio.TimerHandle | None = None
         self.app = self.capped_app(self.app)
+
+    def send_400_response(self, msg: str) -> None:
+        refused = self.conn.refused
+        if refused is None:  # a head h11 could not parse: uvicorn's plain 400
+            super().send_400_response(msg)
+            return
+        self.cancel_header_timer()
+        path = refused.target.partition(b"?")[0].decode("ascii", "replace")
+        message = (f"the request has {len(refused.headers)} headers, more than this "
+                   f"server's limit of {self.max_header_count} "
+                   "(`pagedllm serve --h11-max-header-count`)")
+        body = json.dumps(error_body(path, 431, message, code="too_many_headers")).encode()
+        self.transport.write(
+            b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+            b"content-type: application/json\r\nconnection: close\r\n"
+            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        self.transport.close()
 
     def capped_app(self, app: Any) -> Any:
         async def capped(scope: Scope, receive: Receive, send: Send) -> None:
@@ -81,10 +124,10 @@ class _Protocol(H11Protocol):
 async def too_many_connections(cap: int, scope: Scope, receive: Receive, send: Send) -> None:
     if scope["type"] == "http" and scope["method"] not in ("GET", "HEAD", "OPTIONS"):
         await drain(receive)  # so the answer is not lost to a reset
-    error = {"error": {"message": f"the server has {cap} connections open, its limit "
-                                  "(`pagedllm serve --max-connections`); retry later",
-                       "type": "server_overloaded", "param": None,
-                       "code": "too_many_connections"}}
+    message = (f"the server has {cap} connections open, its limit "
+               "(`pagedllm serve --max-connections`); retry later")
+    error = error_body(scope.get("path", ""), 503, message, type="server_overloaded",
+                       code="too_many_connections")
     response = JSONResponse(error, status_code=503,
                             headers={"Connection": "close", "Retry-After": "1"})
     await response(scope, receive, send)

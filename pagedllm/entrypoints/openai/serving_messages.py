@@ -26,6 +26,7 @@ from fastapi.routing import APIRoute
 from pydantic import ValidationError
 
 from pagedllm.entrypoints.openai.auth import key_check, key_error
+from pagedllm.entrypoints.openai.error_shape import ANTHROPIC_ERROR_TYPES
 from pagedllm.entrypoints.openai.protocol import (
     AssistantMessage,
     ChatCompletionRequest,
@@ -62,13 +63,8 @@ from pagedllm.entrypoints.openai.protocol_anthropic import (
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat, ToolPlan
 from pagedllm.entrypoints.openai.serving_engine import OpenAIError, SSEResponse
 
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-                403: "permission_error", 404: "not_found_error", 413: "request_too_large",
-                429: "rate_limit_error"}
-
-
 def anthropic_error(error: OpenAIError) -> dict[str, Any]:
-    kind = _ERROR_TYPES.get(error.status_code, "api_error")
+    kind = ANTHROPIC_ERROR_TYPES.get(error.status_code, "api_error")
     return AnthropicErrorResponse(error=AnthropicErrorDetail(
         type=kind, message=error.message)).model_dump()
 
