@@ -78,6 +78,45 @@ def test_help_imports_neither_torch_nor_transformers():
     assert result.stdout.strip() == "[]", result.stderr
 
 
+EXIT_NOW = """
+import atexit, sys, threading, time
+from concurrent.futures import ThreadPoolExecutor
+from pagedllm.entrypoints.cli import exit_now
+
+def late():
+    time.sleep(0.3)
+    sys.stdout.write("thread finished; ")
+
+ThreadPoolExecutor(1).submit(lambda: None)  # an idle pool worker must not hang the exit
+atexit.register(lambda: sys.stdout.write("atexit ran"))
+threading.Thread(target=late).start()
+sys.stdout.write("buffered; ")  # a pipe is block-buffered: lost unless flushed
+exit_now(3)
+"""
+
+
+def test_exit_now_keeps_what_python_exit_does():
+    """The process entry's fast exit still joins threads, runs atexit handlers, flushes
+    stdout and exits with the command's code."""
+    result = subprocess.run([sys.executable, "-c", EXIT_NOW], cwd=REPO, capture_output=True,
+                            text=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert (result.returncode, result.stdout) == (3, "buffered; thread finished; atexit ran"), \
+        result.stderr
+
+
+@pytest.mark.slow
+def test_generate_start_path_imports_no_transformers_triton_or_server():
+    """`pagedllm generate` on the default GGUF model: tokenizers, not transformers; no
+    Triton on the CPU; the server's modules only for `serve`."""
+    code = ("import sys; from pagedllm.entrypoints.cli import main; "
+            f"code = main(['generate', 'hi', '--max-tokens', '2', *{SMALL_ENGINE!r}]); "
+            "print(code, sorted(m for m in ('transformers', 'triton', 'fastapi', 'uvicorn') "
+            "if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                            text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert result.stdout.splitlines()[-1:] == ["0 []"], result.stderr[-2000:]
+
+
 def test_engine_flags_are_generated_from_engine_args():
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
     assert EngineArgs.from_cli_args(parser.parse_args([])) == EngineArgs()  # the same defaults

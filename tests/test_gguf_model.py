@@ -182,8 +182,9 @@ def test_perplexity_within_one_percent(gguf_llm, default_llm):
 
 
 def test_bench_cpu_target_rows(tmp_path):
-    """`bench cpu`'s issue-16 rows, shrunk, on a tiny GGUF: packed and dequantized engines
-    on 1 stream, several streams and a prefill; llama.cpp only when importable."""
+    """`bench cpu`'s issue-16/34 rows, shrunk, on a tiny GGUF: packed (int8 and fp32
+    activations) and dequantized engines on 1 stream, several streams and a prefill;
+    llama.cpp (its batched decode too) only when importable."""
     import importlib.util
     import json
 
@@ -200,14 +201,15 @@ def test_bench_cpu_target_rows(tmp_path):
     data = json.loads(out.read_text())
     rows = {r["name"]: r for r in data["runs"]}
     has_llama_cpp = importlib.util.find_spec("llama_cpp") is not None
-    expected = {"pagedllm"} | {f"{e} {w}" for e in ("gguf", "fp32")
+    engines = ["gguf int8", "gguf", "fp32"] + ["llama.cpp"] * has_llama_cpp
+    expected = {"pagedllm"} | {f"{e} {w}" for e in engines
                                for w in ("1 stream", "3 streams", "prefill 40")}
-    if has_llama_cpp:
-        expected |= {"llama.cpp 1 stream", "llama.cpp prefill 40"}
     assert set(rows) == expected
     assert rows["gguf 3 streams"]["output_tokens"] == 3 * 4
     assert rows["gguf prefill 40"]["rate"] == pytest.approx(40 / rows["gguf prefill 40"]["elapsed_s"])
     summary = data["summary"]
     assert summary["pagedllm_weights"] == "gguf"  # the default for a GGUF on the CPU
     assert "gguf / fp32 prefill 40" in summary and "gguf 1 stream target 60 tok/s met" in summary
+    assert "gguf int8 / gguf 3 streams" in summary
+    assert ("gguf int8 / llama.cpp 3 streams target 2.5x met" in summary) == has_llama_cpp
     assert ("not installed" in summary["llama.cpp"]) != has_llama_cpp

@@ -18,7 +18,7 @@ WORKLOAD_HELP = {
     "serve": "streaming requests against the server: concurrent clients or fixed "
              "request rates (TTFT, ITL)",
     "engine-state": "cost of one GET /v1/engine/state snapshot at 256 running sequences",
-    "load": "LLM(), `pagedllm --help` and `generate` in fresh processes vs transformers' load",
+    "load": "LLM(), `pagedllm --help`, `generate` and `serve` to /health in fresh processes",
     "big-prompt": "a stream's inter-token latency while another client sends a huge prompt",
     "kernels": "Triton kernel checks at Llama-3-8B shapes on CUDA, then their timings",
     "fp8": "FP8 linears at Llama-3-8B shapes on CUDA: errors and times vs bf16",

@@ -10,22 +10,33 @@ the table shows the median and the spread. Rows:
                            loaded), KV cache (sizing and allocation) and the rest, then the
                            first step (a one-token generate) after it
     pagedllm generate      a short answer end to end, process start to exit
+    pagedllm serve         as `make serve`: process start to the first 200 from /health,
+                           then stopped with Ctrl-C (SIGINT)
     transformers           AutoTokenizer + AutoModelForCausalLM.from_pretrained of the same
                            model (gguf_file= for a GGUF), fp32, inside the process
 
-Load figures on a shared machine move with its load: the load average is printed beside them.
+Beside each row its target (issue 34): LLM() ready (import + load) <= 2.0 s, generate and
+serve /health <= 3.5 s. Load figures on a shared machine move with its load: the load average
+is printed beside them, and each process's CPU seconds (all threads) beside its wall time.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
+import resource
+import signal
 import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
-PROMPT = "What is the capital of France?"
+PROMPT = "hi"
+# Seconds a newcomer should wait, by row name prefix, and the column they apply to.
+TARGETS = {"LLM()": ("ready", 2.0), "pagedllm generate": ("process", 3.5),
+           "pagedllm serve": ("process", 3.5)}
 
 _PAGEDLLM = """
 import json, sys, time
@@ -83,8 +94,15 @@ def _env() -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=ROOT + (os.pathsep + path if path else ""))
 
 
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _run(argv: list[str], timeout: float) -> tuple[float, dict]:
-    """Wall seconds of one fresh process, and the JSON it printed last (if any)."""
+    """Wall seconds of one fresh process, and the JSON it printed last (if any) with its
+    CPU seconds (all its threads) as cpu_s: less moved by a busy machine than the wall."""
+    cpu = _children_cpu_s()
     start = time.perf_counter()
     # Run in ROOT: `python -m` and `-c` put the working directory first on sys.path, so
     # another checkout there would be measured instead.
@@ -96,7 +114,59 @@ def _run(argv: list[str], timeout: float) -> tuple[float, dict]:
         raise RuntimeError(f"`{' '.join(argv[:4])} ...` failed: {tail}")
     lines = result.stdout.strip().splitlines()
     inner = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {}
-    return wall, inner
+    return wall, {"cpu_s": _children_cpu_s() - cpu, **inner}
+
+
+def _process_cpu_s(pid: int) -> float:
+    """CPU seconds a running process has used so far (Linux's /proc; 0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def _serve_health(model_args: list[str], timeout: float) -> tuple[float, dict]:
+    """Seconds from starting `pagedllm serve --port 0` to the first 200 from /health; the
+    server is then stopped with SIGINT, as Ctrl-C after `make serve`."""
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve",
+                             "--port", "0", *model_args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
+    try:
+        url = _announced_url(proc)
+        while True:
+            if time.perf_counter() - start > timeout:
+                raise RuntimeError(f"`pagedllm serve` did not answer /health in {timeout:.0f} s")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=timeout) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.01)
+        wall = time.perf_counter() - start
+        cpu = _process_cpu_s(proc.pid)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            _, stderr = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise RuntimeError("`pagedllm serve` did not stop on SIGINT") from None
+    if proc.returncode not in (0, 130):
+        tail = (stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise RuntimeError(f"`pagedllm serve` exited with {proc.returncode}: {tail}")
+    return wall, {"cpu_s": cpu}
+
+
+def _announced_url(proc: subprocess.Popen) -> str:
+    for line in proc.stdout:
+        found = re.search(r" at (http://[^ ]+)", line)
+        if found:
+            return found.group(1)
+    tail = (proc.stderr.read().strip().splitlines() or ["(no output)"])[-1]
+    raise RuntimeError(f"`pagedllm serve` exited with {proc.wait()} before serving: {tail}")
 
 
 def _summary(values: list[float]) -> dict[str, float]:
@@ -114,6 +184,7 @@ def measure(model: str | None, repeats: int, max_tokens: int, peer: bool) -> lis
         f"pagedllm generate ({max_tokens} tokens)": lambda: _run(
             ["-m", "pagedllm.entrypoints.cli", "generate", PROMPT, "--max-tokens",
              str(max_tokens), *model_args], 600),
+        "pagedllm serve (to /health 200)": lambda: _serve_health(model_args, 600),
     }
     if peer and (peer_path.endswith(".gguf") or Path(peer_path).is_dir()):
         cases["transformers from_pretrained"] = lambda: _run(
@@ -131,8 +202,20 @@ def measure(model: str | None, repeats: int, max_tokens: int, peer: bool) -> lis
         if inner[name][0]:
             for key in inner[name][0]:
                 row[key.removesuffix("_s")] = _summary([m[key] for m in inner[name]])
+            if "load_s" in inner[name][0]:  # LLM(): ready once imported and loaded
+                row["ready"] = _summary([m["import_s"] + m["load_s"] for m in inner[name]])
+        row.update(_target(row))
         rows.append(row)
     return rows
+
+
+def _target(row: dict) -> dict:
+    """The row's target and whether its median meets it (none for rows without one)."""
+    for prefix, (key, seconds) in TARGETS.items():
+        if row["name"].startswith(prefix) and key in row:
+            return {"target": {"key": key, "seconds": seconds,
+                               "met": row[key]["median_s"] <= seconds}}
+    return {}
 
 
 def format_table(rows: list[dict]) -> str:
@@ -140,10 +223,16 @@ def format_table(rows: list[dict]) -> str:
         s = row.get(key)
         return "-" if s is None else f"{s['median_s']:.2f} ({s['min_s']:.2f}-{s['max_s']:.2f})"
 
-    keys = ["process", "import", "load", "tokenizer", "weights", "kv_cache", "first_step"]
-    header = ["", "process wall s", "import s", "load s", "tokenizer s", "weights s",
-              "KV cache s", "first step s"]
-    cells = [[r["name"], *(cell(r, k) for k in keys)] for r in rows]
+    def target(row: dict) -> str:
+        t = row.get("target")
+        return "-" if t is None else \
+            f"{t['key']} <= {t['seconds']:.1f}: {'met' if t['met'] else 'MISSED'}"
+
+    keys = ["process", "cpu", "import", "load", "ready", "tokenizer", "weights", "kv_cache",
+            "first_step"]
+    header = ["", "process wall s", "process CPU s", "import s", "load s", "ready s", "tokenizer s",
+              "weights s", "KV cache s", "first step s", "target (median)"]
+    cells = [[r["name"], *(cell(r, k) for k in keys), target(r)] for r in rows]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(header)]
     lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w)
                        for i, (h, w) in enumerate(zip(header, widths)))]
@@ -159,7 +248,7 @@ def main(argv: list[str]) -> int:
     parser = Parser(prog="pagedllm bench load", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct GGUF")
     parser.add_argument("--repeats", type=int, default=3, help="fresh processes per row")
-    parser.add_argument("--max-tokens", type=int, default=32, help="for `pagedllm generate`")
+    parser.add_argument("--max-tokens", type=int, default=8, help="for `pagedllm generate`")
     parser.add_argument("--no-peer", dest="peer", action="store_false",
                         help="skip transformers' load")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")

@@ -171,7 +171,8 @@ def build_parser(workload: Workload) -> argparse.ArgumentParser:
         targets = p.add_mutually_exclusive_group()
         targets.add_argument("--targets", dest="targets", action="store_true", default=True,
                              help="also time 1 stream, 16 streams and a 512-token prefill "
-                             "with the GGUF packed, dequantized and in llama.cpp (default)")
+                             "with the GGUF packed (int8 and fp32 activations), dequantized "
+                             "and in llama.cpp (default)")
         targets.add_argument("--no-targets", dest="targets", action="store_false")
         p.add_argument("--target-tokens", type=int, default=128,
                        help="new tokens per stream of the target rows (default 128)")
@@ -486,8 +487,8 @@ def bench_cpu(args: argparse.Namespace) -> Report:
 
 
 def _cpu_target_rows(args: argparse.Namespace) -> tuple[list[dict], dict[str, Any]]:
-    """Issue 16's rows (benchmarks/cpu_targets.py): the GGUF kept packed, dequantized, and
-    in llama.cpp when llama-cpp-python is importable."""
+    """Issues 16 and 34's rows (benchmarks/cpu_targets.py): the GGUF kept packed (int8 and
+    fp32 activations), dequantized, and in llama.cpp when llama-cpp-python is importable."""
     model = args.model
     if args.load_format not in ("auto", "gguf") or (model and not str(model).endswith(".gguf")):
         return [], {"targets": "skipped: the target rows compare a GGUF file's packed and "
@@ -495,8 +496,8 @@ def _cpu_target_rows(args: argparse.Namespace) -> tuple[list[dict], dict[str, An
     from pagedllm.loader import default_model_path
 
     kv = args.kv_cache_memory or str(512 << 20)
-    engines = {"gguf": make_llm(args, quantization="gguf", dtype="auto", kv_cache_memory=kv),
-               "fp32": make_llm(args, quantization=None, dtype="float32", kv_cache_memory=kv)}
+    engines = {name: make_llm(args, kv_cache_memory=kv, **options)
+               for name, options in cpu_targets.ENGINES.items()}
     tokenizer = engines["gguf"].get_tokenizer()
 
     def prompts(n: int, length: int, seed: int) -> list[list[int]]:
@@ -508,13 +509,13 @@ def _cpu_target_rows(args: argparse.Namespace) -> tuple[list[dict], dict[str, An
     runners = {name: cpu_targets.pagedllm_runner(llm) for name, llm in engines.items()}
     for llm in engines.values():
         warm_up(llm)
-    peer, note = cpu_targets.llama_cpp_runner(model or default_model_path(),
-                                              torch.get_num_threads())
-    if peer is not None:
-        runners["llama.cpp"] = peer
     shapes = cpu_targets.Shapes(decode_tokens=args.target_tokens, streams=args.target_streams,
                                 prefill_len=args.prefill_len)
-    rows = cpu_targets.measure(runners, prompts, shapes, args.repeats, {"llama.cpp"})
+    peer, note = cpu_targets.llama_cpp_runner(model or default_model_path(),
+                                              torch.get_num_threads(), shapes)
+    if peer is not None:
+        runners["llama.cpp"] = peer
+    rows = cpu_targets.measure(runners, prompts, shapes, args.repeats, set())
     del engines, runners
     free_memory()
     return rows, {**cpu_targets.summarize(rows, shapes), "llama.cpp": note}

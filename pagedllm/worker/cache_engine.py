@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import logging
 import math
+import mmap
 
-import numpy as np
 import torch
 
 from pagedllm.config import KV_CACHE_DTYPES, ModelConfig
@@ -43,17 +43,22 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
           pin_memory: bool = False) -> torch.Tensor:
     """torch.zeros, but in plain host memory the pages are zeroed by the OS on first use.
 
-    torch.zeros writes every byte now: 2-3 s for a default CPU cache and swap pool of 3 GiB,
-    most of which a short session never touches. numpy.zeros takes its memory from calloc,
-    which for large sizes maps fresh pages that the kernel hands out zeroed when first
-    touched. (Zeros, not garbage: attention multiplies masked-out values by zero weights.)
+    torch.zeros writes every byte now, though a short session touches few blocks. An
+    anonymous mmap is the kernel's zero pages, each faulted in when first written; it is
+    not advised for transparent huge pages (numpy.zeros is), whose first touch stalls on
+    zeroing and compacting 2 MiB at a time.
+
+    Zeros, not garbage (torch.empty): the torch attention path reads whole blocks and masks
+    the slots past a sequence's length, whose zero softmax weights times NaN garbage would
+    be NaN. A slot once written holds a real key or value, so a freed block handed to
+    another sequence keeps that invariant.
     """
-    if device.type != "cpu" or pin_memory:
-        return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
     nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
-    buffer = np.zeros(nbytes + 64, dtype=np.uint8)
-    start = -buffer.ctypes.data % 64  # cache-line aligned, as torch's allocator would give
-    return torch.from_numpy(buffer[start:start + nbytes]).view(dtype).view(shape)
+    if device.type != "cpu" or pin_memory or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+    # Page aligned; the tensor holds a reference to the mapping, unmapped with it.
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)
 
 
 class CacheEngine:
