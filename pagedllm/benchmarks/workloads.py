@@ -684,7 +684,11 @@ def bench_sharegpt(args: argparse.Namespace) -> Report:
                              max_tokens=length) for length in output_lens]
     llm = make_llm(args)
     warm_up(llm)
-    result, outs = timed_generate(llm, "pagedllm", prompts, params)
+    # and the mix's own sampling (top-p's kernels compile here, not in the timed run)
+    mix = SamplingParams(temperature=args.temperature, top_p=args.top_p, ignore_eos=True,
+                         max_tokens=4)
+    llm.generate(random_prompts(random.Random(args.seed + 1), 2, (16, 48)), mix, use_tqdm=False)
+    result, _ = timed_generate(llm, "pagedllm", prompts, params)
     preemptions = llm.engine.get_stats().num_preemptions
     llm.engine.shutdown()  # tensor-parallel ranks, if any
     del llm
