@@ -158,14 +158,14 @@ def test_chat_uses_the_chat_template(default_llm):
 def _record_multi_step_runs(engine, monkeypatch) -> list[int]:
     """The step count of every multi-step batch the worker runs."""
     runs: list[int] = []
-    launch = engine.worker.launch
+    launch = engine.worker.execute
 
     def recording(batch):
         if batch.num_steps > 1:
             runs.append(batch.num_steps)
         return launch(batch)
 
-    monkeypatch.setattr(engine.worker, "launch", recording)
+    monkeypatch.setattr(engine.worker, "execute", recording)
     return runs
 
 

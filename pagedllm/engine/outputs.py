@@ -9,7 +9,7 @@ they are written), advances the grammar, and frees a sequence that finished.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from pagedllm.contract import SampleResult, SpecStats, StepResult
@@ -82,16 +82,13 @@ class OutputProcessor:
         self.stream = True
 
     # ------------------------------------------------------------------- update
-    def update(self, out: SchedulerOutput, result: StepResult,
-               between: Callable[[], None] | None = None) -> list[RequestOutput]:
-        """The one place a step's results land; `between` runs after every few groups."""
+    def update(self, out: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
+        """The one place a step's results land."""
         outputs = []
         columns = _sample_columns(result, wanted=not self.stream)
         steps: list | None = None  # every sample as a SampleResult, built when a row needs one
         now = time.monotonic()
-        for i, scheduled in enumerate(out.scheduled_seq_groups):
-            if between is not None and i % 16 == 15:
-                between()
+        for scheduled in out.scheduled_seq_groups:
             group = scheduled.seq_group
             seqs = [s for s in group.seqs_dict.values() if s.status is RUNNING]
             if not seqs:
