@@ -136,9 +136,9 @@ class StepResult:
     # Such a row's num_samples entries are its k+1 positions in order, the first
     # num_spec_tokens of them the tokens to append (not forks).
     num_spec_tokens: dict[int, tuple[int, int]] = field(default_factory=dict)
-    # Pooling rows whose prompt is complete: seq_id -> the pooled vector, an fp32 host
-    # tensor (not normalized; layers/pooler.py).
-    pooled: dict[int, Any] = field(default_factory=dict)
+    # Pooling rows whose prompt is complete: seq_id -> the pooled vector, fp32 [hidden]
+    # (not normalized; layers/pooler.py).
+    pooled: dict[int, np.ndarray] = field(default_factory=dict)
 
     @property
     def num_steps(self) -> int:

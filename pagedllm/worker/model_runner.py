@@ -524,9 +524,9 @@ class ModelRunner:
         return window
 
     def _pool(self, hidden: torch.Tensor,
-              rows: list[tuple[int, int, int, int, bool]]) -> dict[int, torch.Tensor]:
+              rows: list[tuple[int, int, int, int, bool]]) -> dict[int, np.ndarray]:
         """Each pooling row's chunk into its sequence's partial; the vectors of the prompts
-        this step completes, on the host (one copy; pooling steps wait for it)."""
+        this step completes, fp32 on the host (one copy; pooling steps wait for it)."""
         done: dict[int, torch.Tensor] = {}
         for seq_id, first, count, start, last_chunk in rows:
             st = self.seqs[seq_id]
@@ -538,7 +538,7 @@ class ModelRunner:
                 st.pooled = None
         if not done:
             return done
-        vectors = torch.stack(list(done.values())).cpu()
+        vectors = torch.stack(list(done.values())).float().cpu().numpy()
         return dict(zip(done, vectors))
 
     def _verify(self, batch: StepBatch, b: FlatBatch, logits: torch.Tensor, result: StepResult,
