@@ -66,3 +66,22 @@ def test_async_windows_execute_ahead_and_drop_samples_past_a_stop():
     assert sorted(executed) == sorted(sampled)  # every executed batch was sampled once
     assert engine._in_flight is None
     assert_all_freed(engine)
+
+
+def test_a_window_ends_with_the_longest_row_s_max_tokens():
+    """The end of a decode window: batch-1 with max_tokens=2 runs its prefill and one
+    decode sub-step, not a whole window of 8; in a batch, the window runs as long as the
+    row with the most tokens left needs, no longer."""
+    engine, fake = make(on_cuda=True)
+    engine.add_request("short", [5], SamplingParams(max_tokens=2, ignore_eos=True))
+    done = run(engine)
+    assert done["short"].outputs[0].token_ids == [6, 7]
+    assert fake.forwards == 2
+    engine, fake = make(on_cuda=True)
+    engine.add_request("a", [5], SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.add_request("b", [9], SamplingParams(max_tokens=5, ignore_eos=True))
+    done = run(engine)
+    assert done["b"].outputs[0].token_ids == [10, 11, 12, 13, 14]
+    assert [b.num_steps for kind, b in fake.calls if kind == "execute"] == [1, 4]
+    assert fake.forwards == 5
+    assert_all_freed(engine)
