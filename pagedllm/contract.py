@@ -23,6 +23,7 @@ anything that only reads results) can be read and tested without the worker.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
@@ -75,12 +76,13 @@ class StepBatch:
     # tensor, bit t % 32 of word t // 32 set = token t allowed (ids past the mask: refused);
     # token_bitmask_rows: the indices, among this batch's sampled rows, of the rows it
     # constrains (the others are left alone). In a multi-step batch these are the first
-    # step's masks: each later step samples once the engine hands it its own
-    # (DecodeWindow.sample_with_bitmask), filled from the step before's samples.
+    # step's masks. Set by the engine for a speculative step (one step, sampled at execute)
+    # and for an executor that takes masks with the batch (WorkerInfo.defers_token_bitmask
+    # False: the tensor-parallel group, whose windows with constrained rows are one step).
     token_bitmask: Any = None
     token_bitmask_rows: list[int] = field(default_factory=list)
-    # The first step's masks come after the launch too (async scheduling: they need the last
-    # step's tokens): the forward is queued at once, the sampling waits for them.
+    # The masks come with Executor.sample (GrammarMasks), not in the batch: execute queues
+    # the forward at once, the sampling waits for them.
     defer_token_bitmask: bool = False
     # Speculative decoding (a decode row only; its num_scheduled_tokens counts them too):
     # seq_id -> proposed tokens after the row's last token (n-gram, proposed by the engine),
@@ -134,9 +136,9 @@ class StepResult:
     # Such a row's num_samples entries are its k+1 positions in order, the first
     # num_spec_tokens of them the tokens to append (not forks).
     num_spec_tokens: dict[int, tuple[int, int]] = field(default_factory=dict)
-    # Pooling rows whose prompt is complete: seq_id -> the pooled vector, an fp32 host
-    # tensor (not normalized; layers/pooler.py).
-    pooled: dict[int, Any] = field(default_factory=dict)
+    # Pooling rows whose prompt is complete: seq_id -> the pooled vector, fp32 [hidden]
+    # (not normalized; layers/pooler.py).
+    pooled: dict[int, np.ndarray] = field(default_factory=dict)
 
     @property
     def num_steps(self) -> int:
@@ -197,38 +199,51 @@ class WorkerInfo:
     max_num_batched_tokens: int
     eos_token_ids: tuple[int, ...]
     on_cuda: bool  # the inputs live on a GPU (multi-step and async scheduling pay off)
-    # Constrained decode windows: masks handed over sub-step by sub-step (the single-process
-    # worker); False: a window with constrained rows is one step, masked at launch.
+    # Constrained decode windows: masks handed over with `sample`, sub-step by sub-step (the
+    # single-process worker); False: a window with constrained rows is one step, its masks
+    # in the batch (and a speculative step's too).
     defers_token_bitmask: bool
     weight_bytes: int  # the model's weights as stored (packed GGUF / FP8 count as such)
     source_name: str  # the model's name, as the server answers to it by default
 
 
-class PendingStep(Protocol):
-    """A launched step. Its StepResult is ready at `wait()`. A decode window with
-    constrained rows (`awaits_bitmask`) first samples sub-step by sub-step: each sub-step's
-    masks come from the grammars advanced by the sub-step before's token ids."""
+@dataclass
+class GrammarMasks:
+    """The allowed tokens of a step's constrained rows, handed to `Executor.sample`.
 
-    awaits_bitmask: bool  # sub-steps are left to sample (each needs sample_with_bitmask)
+    `bitmask`: packed int32 [len(rows), ceil(vocab / 32)] host tensor, bit t % 32 of word
+    t // 32 set = token t allowed; `rows`: the indices, among the step's sampled rows, of
+    the rows it constrains. These are the first sub-step's masks; in a decode window each
+    later sub-step's come from `next(token_ids)`, the sub-step before's sampled ids (host
+    int64 [samples]) advancing the engine's grammars."""
 
-    def wait(self) -> StepResult: ...
+    bitmask: Any
+    rows: list[int]
+    next: Callable[[np.ndarray], "GrammarMasks"] | None = None
 
-    def sample_with_bitmask(self, token_bitmask: Any, rows: list[int]) -> None: ...
 
-    def last_samples_ready(self) -> bool: ...
-
-    def last_samples(self) -> np.ndarray: ...  # the latest sub-step's token ids, int64
+class StepHandle(Protocol):
+    """An executed step whose samples are not drawn yet: what `execute` returns and
+    `sample` takes (opaque to the engine)."""
 
 
 class Executor(Protocol):
-    """What the engine drives: the single-process worker or the tensor-parallel group
-    (worker/tp_worker.create_worker makes the one the arguments ask for)."""
-
-    model_config: Any  # the model's config (vocab_size, hidden_size)
-    tokenizer: Any  # None: the model has none (prompts are token ids)
+    """What the engine drives, in two calls per step as vLLM v1's execute_model and
+    sample_tokens: the single-process worker, the tensor-parallel group
+    (worker/executor.create_executor makes the one the arguments ask for), or a fake.
+    A decode window's sub-steps (num_steps > 1) are the executor's own business."""
 
     def info(self) -> WorkerInfo: ...
 
-    def launch(self, batch: StepBatch) -> PendingStep: ...
+    def execute(self, batch: StepBatch) -> StepHandle:
+        """Apply the batch and queue its forward. A batch whose masks come with `sample`
+        (defer_token_bitmask) stops there; any other is sampled too, every sub-step of
+        its window queued, so the next batch may be executed before `sample` (async
+        scheduling: its input ids are these samples, still on the device)."""
+        ...
+
+    def sample(self, handle: StepHandle, masks: GrammarMasks | None) -> StepResult:
+        """The step's StepResult, its samples on the host (this call waits for them)."""
+        ...
 
     def shutdown(self) -> None: ...

@@ -158,14 +158,14 @@ def test_chat_uses_the_chat_template(default_llm):
 def _record_multi_step_runs(engine, monkeypatch) -> list[int]:
     """The step count of every multi-step batch the worker runs."""
     runs: list[int] = []
-    launch = engine.worker.launch
+    launch = engine.worker.execute
 
     def recording(batch):
         if batch.num_steps > 1:
             runs.append(batch.num_steps)
         return launch(batch)
 
-    monkeypatch.setattr(engine.worker, "launch", recording)
+    monkeypatch.setattr(engine.worker, "execute", recording)
     return runs
 
 
@@ -186,7 +186,8 @@ def test_multi_step_decoding_gives_the_single_step_results(default_llm, monkeypa
     runs = _record_multi_step_runs(engine, monkeypatch)
     monkeypatch.setattr(engine, "num_scheduler_steps", 4)
     multi = default_llm.generate(prompts, params, use_tqdm=False)
-    assert runs and set(runs) == {4}
+    # windows of 4, the last one ending with the max_tokens of the row with most left
+    assert runs and set(runs[:-1]) == {4} and 1 < runs[-1] <= 4
     assert single[2].outputs[0].finish_reason == "stop"  # the stop string case stops early
     # Sequences that stop stay in the batch for the rest of a multi-step run, so later steps
     # may see other batch shapes (fp32 rounding apart). Every greedy token has a margin over

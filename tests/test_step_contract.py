@@ -150,7 +150,7 @@ def test_batches_are_plain_data_that_survive_pickling(default_llm, monkeypatch):
               SamplingParams(temperature=0.0, max_tokens=5, prompt_logprobs=2)]
     engine = default_llm.engine
     direct = default_llm.generate(prompts, params, use_tqdm=False)
-    launch = engine.worker.launch
+    launch = engine.worker.execute
     batches = []
 
     def pickled(batch):
@@ -158,7 +158,7 @@ def test_batches_are_plain_data_that_survive_pickling(default_llm, monkeypatch):
         batches.append(batch)
         return launch(pickle.loads(pickle.dumps(batch)))
 
-    monkeypatch.setattr(engine.worker, "launch", pickled)
+    monkeypatch.setattr(engine.worker, "execute", pickled)
     again = default_llm.generate(prompts, params, use_tqdm=False)
     assert any(b.forks for b in batches) and any(b.freed_seq_ids for b in batches)
     for a, b in zip(direct, again):

@@ -1,10 +1,10 @@
 """EngineCore: one scheduling step at a time, schedule -> execute -> grammar masks -> sample
 -> update.
 
-The worker executes a StepBatch (plain data, pagedllm/contract.py) and hands back a pending
-step whose StepResult is ready at `wait()`. With async scheduling the next decode window is
-launched before this one's samples are read (Scheduler.schedule_continuation), so the host's
-update overlaps the device's next forward. Requests come in through LLMEngine
+The executor (pagedllm/contract.py: Executor) executes a StepBatch (plain data) and hands
+back a handle; `sample(handle, masks)` gives the StepResult. With async scheduling the next
+decode window is executed before this one's samples are read
+(Scheduler.schedule_continuation), so the host's update overlaps the device's next forward. Requests come in through LLMEngine
 (engine/llm_engine.py), which adds tokenization and the admission checks.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import weakref
 from dataclasses import dataclass
 
 from pagedllm.config import CacheConfig, SchedulerConfig
-from pagedllm.contract import Executor, PendingStep, SpecStats, StepBatch, WorkerInfo
+from pagedllm.contract import Executor, SpecStats, StepBatch, StepHandle, WorkerInfo
 from pagedllm.engine.batch_builder import StepBatchBuilder
 from pagedllm.engine.grammar import GrammarSteps
 from pagedllm.engine.outputs import OutputProcessor, ignored_output
@@ -32,10 +32,10 @@ RUNNING = SequenceStatus.RUNNING
 
 @dataclass
 class _InFlight:
-    """A launched step whose samples the engine has not read yet."""
+    """An executed step whose samples the engine has not read yet."""
 
     out: SchedulerOutput
-    pending: PendingStep
+    handle: StepHandle
     batch: StepBatch
 
 
@@ -71,9 +71,11 @@ def _has_running(out: SchedulerOutput) -> bool:
 
 
 class EngineCore:
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs, executor: Executor | None = None) -> None:
+        """`executor`: the one to drive (a fake, in tests); by default the one the
+        arguments ask for (create_worker)."""
         self.args = args
-        self.worker: Executor = create_worker(args)
+        self.worker: Executor = executor if executor is not None else create_worker(args)
         weakref.finalize(self, _unfreeze_heap)
         self.info = info = self.worker.info()
         self.model_config = self.worker.model_config
@@ -102,7 +104,7 @@ class EngineCore:
         self.structured = StructuredOutputManager(
             self.tokenizer, list(info.eos_token_ids), self.model_config.vocab_size,
             pin_masks=info.on_cuda)
-        self.grammar = GrammarSteps(self.structured)
+        self.grammar = GrammarSteps(self.structured, info.defers_token_bitmask)
         self.output_processor = OutputProcessor(
             self.scheduler, self.batch_builder, self.structured, self.tokenizer,
             self.eos_token_ids, self.max_model_len, self._seq_ids, self.spec_stats)
@@ -152,16 +154,21 @@ class EngineCore:
             running = self._schedule_and_launch(outputs)
             if running is None:
                 return outputs
-        self.grammar.sample_all(running.pending, running.batch)
-        ahead = self._in_flight = self._launch_ahead(running)
-        result = running.pending.wait()
-        between = self.grammar.overlap(running.batch, result, ahead)
-        outputs += self.output_processor.update(running.out, result, between)
+        # A window sampled at execute: the next one can go now (its inputs are these
+        # samples, on the device); one sampled under masks: once its samples are in.
+        early = not running.batch.defer_token_bitmask
+        ahead = self._launch_ahead(running) if early else None
+        result = self.worker.sample(running.handle, self.grammar.masks_for(running.batch))
+        if not early:
+            ahead = self._launch_ahead(running)
+        if ahead is not None:
+            self.grammar.start_ahead(running.batch, result, ahead.batch)
+        self._in_flight = ahead
+        outputs += self.output_processor.update(running.out, result)
         if ahead is not None and not _has_running(ahead.out):
             # Every sequence of the step launched ahead finished in this one (on a token or a
             # stop string): nothing waits for its samples.
-            self.grammar.sample_all(ahead.pending, ahead.batch)
-            ahead.pending.wait()
+            self.worker.sample(ahead.handle, self.grammar.masks_for(ahead.batch))
             self._in_flight = None
         for group in self.scheduler.free_finished_seq_groups():
             self._forget(group)
@@ -192,11 +199,11 @@ class EngineCore:
         return None if after is None else self._launch(after, defer_masks=True)
 
     def _launch(self, out: SchedulerOutput, defer_masks: bool = False) -> _InFlight:
-        """Build and launch a step; `defer_masks`: constrained rows get their masks after
-        the launch (async scheduling), once the previous step's tokens are known."""
+        """Build and execute a step; `defer_masks`: launched ahead (async scheduling), its
+        constrained rows' masks filled once the previous step's tokens are known."""
         batch = self.batch_builder.build(out)
-        self.grammar.fill_at_launch(batch, defer_masks)
-        return _InFlight(out, self.worker.launch(batch), batch)
+        self.grammar.fill_at_launch(batch)
+        return _InFlight(out, self.worker.execute(batch), batch)
 
     def _forget(self, group: SequenceGroup) -> None:
         self.requests.pop(group.request_id, None)

@@ -9,13 +9,13 @@ they are written), advances the grammar, and frees a sequence that finished.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from pagedllm.contract import SampleResult, SpecStats, StepResult
 from pagedllm.engine.batch_builder import StepBatchBuilder
 from pagedllm.engine.detokenizer import Detokenizer, find_stop_string
-from pagedllm.engine.pooling import finish_pooling, pooling_output
+from pagedllm.engine.pooling import finish_pooling
 from pagedllm.engine.scheduler import ScheduledSequenceGroup, Scheduler, SchedulerOutput
 from pagedllm.engine.sequence import Logprob, Sequence, SequenceGroup, SequenceStatus
 from pagedllm.engine.structured_output import StructuredOutputManager
@@ -82,16 +82,13 @@ class OutputProcessor:
         self.stream = True
 
     # ------------------------------------------------------------------- update
-    def update(self, out: SchedulerOutput, result: StepResult,
-               between: Callable[[], None] | None = None) -> list[RequestOutput]:
-        """The one place a step's results land; `between` runs after every few groups."""
+    def update(self, out: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
+        """The one place a step's results land."""
         outputs = []
         columns = _sample_columns(result, wanted=not self.stream)
         steps: list | None = None  # every sample as a SampleResult, built when a row needs one
         now = time.monotonic()
-        for i, scheduled in enumerate(out.scheduled_seq_groups):
-            if between is not None and i % 16 == 15:
-                between()
+        for scheduled in out.scheduled_seq_groups:
             group = scheduled.seq_group
             seqs = [s for s in group.seqs_dict.values() if s.status is RUNNING]
             if not seqs:
@@ -117,7 +114,8 @@ class OutputProcessor:
             finish_pooling(scheduled.seq_group, seq, result.pooled[seq.seq_id], now)
             self.scheduler.free_seq(seq)
             self.batch_builder.free((seq.seq_id,))
-            outputs.append(pooling_output(scheduled.seq_group))
+            outputs.append(final_output(scheduled.seq_group,
+                                        embedding=scheduled.seq_group.embedding))
 
     def _update_seq(self, scheduled: ScheduledSequenceGroup, seq: Sequence, result: StepResult,
                     columns: _SampleColumns, steps: list | None) -> list | None:
@@ -319,8 +317,10 @@ class OutputProcessor:
         )
 
 
-def ignored_output(group: SequenceGroup, cache_tokens: int) -> RequestOutput:
-    """A request the scheduler gave up on: it can never fit in the KV cache."""
+def final_output(group: SequenceGroup, error: str | None = None,
+                 embedding: list[float] | None = None) -> RequestOutput:
+    """The one output of a request that samples nothing: a pooling request's vector, or
+    the error of one the scheduler gave up on."""
     return RequestOutput(
         request_id=group.request_id,
         prompt=group.prompt,
@@ -329,9 +329,16 @@ def ignored_output(group: SequenceGroup, cache_tokens: int) -> RequestOutput:
         outputs=[],
         finished=True,
         metrics=group.metrics,
-        error=f"request {group.request_id!r} can never fit in the KV cache "
-        f"({cache_tokens} tokens)",
+        num_cached_tokens=group.num_cached_tokens if error is None else 0,
+        embedding=embedding,
+        error=error,
     )
+
+
+def ignored_output(group: SequenceGroup, cache_tokens: int) -> RequestOutput:
+    """A request the scheduler gave up on: it can never fit in the KV cache."""
+    return final_output(group, error=f"request {group.request_id!r} can never fit in the "
+                        f"KV cache ({cache_tokens} tokens)")
 
 
 def _record_token_times(group: SequenceGroup, now: float) -> None:

@@ -4,32 +4,19 @@ prompt's forward like any prompt, and its last chunk's step hands back the poole
 that same update, so a pooling request holds KV blocks only while its prompt is computed."""
 from __future__ import annotations
 
-import torch
+import numpy as np
 
 from pagedllm.engine.sequence import Sequence, SequenceGroup, SequenceStatus
-from pagedllm.layers.pooler import normalize
-from pagedllm.outputs import RequestOutput
+
+# As torch.nn.functional.normalize's eps: a zero vector stays zero.
+_NORM_EPS = 1e-12
 
 
-def finish_pooling(group: SequenceGroup, seq: Sequence, vector: torch.Tensor,
+def finish_pooling(group: SequenceGroup, seq: Sequence, vector: np.ndarray,
                    now: float) -> None:
-    """The group's vector is in: keep it (normalized when asked) and stop the sequence."""
+    """The group's vector is in: keep it (L2-normalized when asked) and stop the sequence."""
     if group.pooling_params.normalize:
-        vector = normalize(vector)
+        vector = vector / max(float(np.linalg.norm(vector)), _NORM_EPS)
     group.embedding = vector.tolist()
     seq.status = SequenceStatus.FINISHED_STOPPED
     group.metrics.finished_time = now
-
-
-def pooling_output(group: SequenceGroup) -> RequestOutput:
-    return RequestOutput(
-        request_id=group.request_id,
-        prompt=group.prompt,
-        prompt_token_ids=group.prompt_token_ids,
-        prompt_logprobs=None,
-        outputs=[],
-        finished=True,
-        metrics=group.metrics,
-        num_cached_tokens=group.num_cached_tokens,
-        embedding=group.embedding,
-    )

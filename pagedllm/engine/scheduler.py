@@ -237,6 +237,7 @@ class Scheduler:
         groups: list[SequenceGroup] = []
         num_live = 0
         num_steps = max_num_steps
+        longest = 1  # the most tokens any sequence may still take
         for scheduled in prev.scheduled_seq_groups:
             group = scheduled.seq_group
             if scheduled.token_chunk_size != 1 or not scheduled.do_sample:
@@ -256,11 +257,13 @@ class Scheduler:
             room = max_len - (seq.get_len() + k) + 1
             if room < num_steps:
                 num_steps = room
+            longest = max(longest, _tokens_left(seq, max_tokens, k))
             seqs.append(seq)
             groups.append(group)
         # Every running request is one of `prev`'s, so none waits behind the continuation.
         if not seqs or num_live != len(self.running):
             return None
+        num_steps = min(num_steps, longest)
         if not self._reserve_lookahead(seqs, k + num_steps - 1):
             return None
         out = SchedulerOutput(num_steps=num_steps, num_pending_tokens=k,
@@ -290,13 +293,15 @@ class Scheduler:
         is decoding one sequence that may run several steps (`_reads_own_output`,
         `_one_step_at_a_time`), none is swapped out, and
         no waiting request could start now (the batch is full). Capped so no sequence
-        passes max_model_len."""
+        passes max_model_len, and by the most tokens any sequence may still take (a window
+        past every row's max_tokens would run sub-steps whose samples are all dropped)."""
         cfg = self.scheduler_config
         if self.swapped or not self.running:
             return 1
         if self.waiting and len(self.running) < cfg.max_num_seqs:
             return 1
         num_steps = max_num_steps
+        longest = 1  # the most tokens any sequence may still take
         max_len = cfg.max_model_len
         for group in self.running:
             if len(group.seqs_dict) != 1:
@@ -308,7 +313,8 @@ class Scheduler:
             room = max_len - seq.get_len() + 1
             if room < num_steps:
                 num_steps = room
-        return max(num_steps, 1)
+            longest = max(longest, _tokens_left(seq, group.sampling_params.max_tokens, 0))
+        return max(min(num_steps, longest), 1)
 
     def _is_whole_decode(self, out: SchedulerOutput) -> bool:
         """`out` is the plain decode of every running request: nothing preempted, copied,
@@ -588,3 +594,10 @@ class Scheduler:
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.block_manager.prefix_cache_hit_rate()
+
+
+def _tokens_left(seq: Sequence, max_tokens: int | None, pending: int) -> int:
+    """Output tokens `seq` may still take, `pending` more assumed (None: no limit known)."""
+    if max_tokens is None:
+        return 1 << 30
+    return max_tokens - seq.get_output_len() - pending

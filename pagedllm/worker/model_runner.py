@@ -31,7 +31,7 @@ from pagedllm.layers.token_bitmask import apply_token_bitmask
 from pagedllm.models.device_map import DeviceMap
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.cuda_graphs import DecodeCUDAGraphs
-from pagedllm.contract import StepBatch, StepResult
+from pagedllm.contract import GrammarMasks, StepBatch, StepResult
 
 
 @dataclass(slots=True)
@@ -150,10 +150,6 @@ class _HostCopy:
                 self._event = torch.cuda.Event()
                 self._event.record()
 
-    def ready(self) -> bool:
-        """The copy is done (get() would not block)."""
-        return self._event is None or self._event.query()
-
     def get(self) -> torch.Tensor:
         if self._event is not None:
             self._event.synchronize()
@@ -162,16 +158,20 @@ class _HostCopy:
 
 
 class PendingStep:
-    """A launched step: its result is complete once `wait()` returns. On CUDA the samples
-    are copied into pinned host memory behind the step's kernels; `wait()` blocks on that
-    copy alone."""
+    """An executed step: its StepResult is complete once `sample()` (or `wait()`) returns. On
+    CUDA the samples are copied into pinned host memory behind the step's kernels; waiting
+    blocks on that copy alone."""
 
-    # A decode window with structured output samples sub-step by sub-step (DecodeWindow).
+    # A decode window whose masks come with sample() samples sub-step by sub-step then.
     awaits_bitmask = False
 
     def __init__(self, result: StepResult, sampled: torch.Tensor | None = None) -> None:
         self._result = result
         self._copy = None if sampled is None else _HostCopy(sampled)
+
+    def sample(self, masks: GrammarMasks | None) -> StepResult:
+        """Executor.sample: the samples, drawn already (no masks to wait for)."""
+        return self.wait()
 
     def wait(self) -> StepResult:
         if self._copy is not None:
@@ -180,36 +180,49 @@ class PendingStep:
 
 
 class DecodeWindow(PendingStep):
-    """A launched step's sampling and, in multi-step, its further decode steps (sub-steps),
+    """An executed step's sampling and, in multi-step, its further decode steps (sub-steps),
     each fed the samples of the one before on the device.
 
-    Without token bitmasks every sub-step is queued at launch. With structured output (a
-    batch with a token_bitmask, or defer_token_bitmask) each sub-step samples once the
-    engine hands it that sub-step's masks (`sample_with_bitmask`), which it fills from the
-    grammars advanced by the sub-step before (`last_samples`). Each sub-step's forward is
-    queued before its masks are asked for, so the host fills them while the device runs it;
-    the scheduling, the batch and the update are paid once per window, as without masks."""
+    Without grammar masks every sub-step is queued at execute. A batch whose masks come
+    with sample() (defer_token_bitmask) samples there sub-step by sub-step: the first under
+    the masks handed over, each later one under `masks.next(the sub-step before's samples)`.
+    Each sub-step's forward is queued before its masks are asked for, so the engine fills
+    them while the device runs it; the scheduling, the batch and the update are paid once
+    per window, as without masks."""
 
     def __init__(self, runner: "ModelRunner", batch: StepBatch, b: FlatBatch,
                  logits: torch.Tensor, result: StepResult, kv_caches: list[torch.Tensor]) -> None:
+        if batch.token_bitmask is not None and batch.num_steps > 1:
+            raise ValueError("a batch carrying its token bitmask runs one step; a decode "
+                             "window's masks come with sample (defer_token_bitmask)")
         self._runner, self._b, self._kv_caches = runner, b, kv_caches
         self._result = result
         self.num_steps = batch.num_steps
         self._rows = [row for _, row in b.sample_rows]
         self._logits = logits[len(b.logits_indices) - len(self._rows):]
-        self._stepped = batch.token_bitmask is not None or batch.defer_token_bitmask
+        self._stepped = batch.defer_token_bitmask
         self._steps: list[SampledBatch] = []
         self._copies: list[_HostCopy] = []  # stepped: each sub-step's samples, on the host
         self._done: PendingStep | None = None
-        if not batch.defer_token_bitmask:
+        if not self._stepped:
             self.sample_with_bitmask(batch.token_bitmask, batch.token_bitmask_rows)
-            while not self._stepped and self.awaits_bitmask:
+            while self.awaits_bitmask:
                 self.sample_with_bitmask(None, [])
 
     @property
     def awaits_bitmask(self) -> bool:
-        """Sub-steps are left to sample (each needs `sample_with_bitmask`)."""
+        """Sub-steps are left to sample (a stepped window before sample())."""
         return len(self._steps) < self.num_steps
+
+    def sample(self, masks: GrammarMasks | None) -> StepResult:
+        if self.awaits_bitmask:
+            if masks is None:
+                raise ValueError("this step waits for its grammar masks (defer_token_bitmask)")
+            self.sample_with_bitmask(masks.bitmask, masks.rows)
+            while self.awaits_bitmask:
+                masks = masks.next(self._last_samples())
+                self.sample_with_bitmask(masks.bitmask, masks.rows)
+        return self.wait()
 
     @torch.inference_mode()
     def sample_with_bitmask(self, token_bitmask: Any, rows: list[int]) -> None:
@@ -239,20 +252,13 @@ class DecodeWindow(PendingStep):
         if not self._stepped:
             self._done = PendingStep(result, _stack_packed(self._steps))
 
-    def last_samples_ready(self) -> bool:
-        """last_samples() would not block."""
-        return bool(self._copies) and self._copies[-1].ready()
-
-    def last_samples(self) -> np.ndarray:
-        """The latest sub-step's sampled token ids on the host, int64 [samples] (a stepped
-        window only: the others come back once, at wait())."""
-        if not self._copies:
-            raise ValueError("no sub-step of this window has sampled with a token bitmask yet")
+    def _last_samples(self) -> np.ndarray:
+        """The latest sub-step's sampled token ids on the host, int64 [samples]."""
         return self._copies[-1].get()[:, 0].numpy().astype(np.int64)
 
     def wait(self) -> StepResult:
         if self.awaits_bitmask:
-            raise ValueError("the step waits for its token bitmask (sample_with_bitmask)")
+            raise ValueError("the step waits for its grammar masks (sample)")
         if self._done is not None:
             return self._done.wait()
         self._result.set_packed(torch.stack([c.get() for c in self._copies]).numpy())
@@ -480,8 +486,8 @@ class ModelRunner:
         a trip to the host; all steps' samples come back in one transfer, or, under token
         bitmasks, one per step as the engine fills the next step's masks (DecodeWindow)."""
         if self._open_window is not None:
-            raise ValueError("the last launched step still waits for its token bitmasks "
-                             "(sample_with_bitmask): its samples come before the next step")
+            raise ValueError("the last executed step still waits for its grammar masks "
+                             "(sample): its samples come before the next step")
         self.apply(batch)
         spec, draft_probs = batch.spec_token_ids, {}
         if self.drafter is not None:
@@ -518,9 +524,9 @@ class ModelRunner:
         return window
 
     def _pool(self, hidden: torch.Tensor,
-              rows: list[tuple[int, int, int, int, bool]]) -> dict[int, torch.Tensor]:
+              rows: list[tuple[int, int, int, int, bool]]) -> dict[int, np.ndarray]:
         """Each pooling row's chunk into its sequence's partial; the vectors of the prompts
-        this step completes, on the host (one copy; pooling steps wait for it)."""
+        this step completes, fp32 on the host (one copy; pooling steps wait for it)."""
         done: dict[int, torch.Tensor] = {}
         for seq_id, first, count, start, last_chunk in rows:
             st = self.seqs[seq_id]
@@ -532,7 +538,7 @@ class ModelRunner:
                 st.pooled = None
         if not done:
             return done
-        vectors = torch.stack(list(done.values())).cpu()
+        vectors = torch.stack(list(done.values())).float().cpu().numpy()
         return dict(zip(done, vectors))
 
     def _verify(self, batch: StepBatch, b: FlatBatch, logits: torch.Tensor, result: StepResult,

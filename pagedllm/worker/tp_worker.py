@@ -36,7 +36,7 @@ import torch
 from pagedllm.distributed import parallel_state as ps
 from pagedllm.distributed.communication import broadcast_object
 from pagedllm.engine_args import EngineArgs
-from pagedllm.contract import StepBatch, StepResult
+from pagedllm.contract import GrammarMasks, StepBatch, StepResult
 from pagedllm.worker.model_runner import PendingStep
 from pagedllm.worker.worker import Worker, resolve_device
 
@@ -149,7 +149,7 @@ def worker_loop(args: EngineArgs) -> int:
             if batch is STOP:
                 worker.shutdown()  # the graphs go before the group (see DriverWorker)
                 return 0
-            worker.launch(batch).wait()
+            worker.sample(worker.execute(batch), None)
     except ValueError as exc:  # a bad option or model: rank 0 raises the same error
         logger.debug("tensor parallel rank %d: %s", ps.tp_rank(), exc)
         return 1
@@ -176,12 +176,18 @@ class DriverWorker(Worker):
             raise
         atexit.register(self.shutdown)
 
-    def launch(self, batch: StepBatch) -> PendingStep:
+    def execute(self, batch: StepBatch) -> PendingStep:
         if self._stopped:
             raise TensorParallelError("the tensor-parallel ranks were stopped")
         with self._naming_failures():
             broadcast_object(batch)
-            return _GuardedStep(super().launch(batch), self)
+            return super().execute(batch)
+
+    def sample(self, handle: PendingStep, masks: GrammarMasks | None) -> StepResult:
+        """The masks are in the batch (every rank samples); on CUDA a failed collective of
+        the step may show only now, as its samples are waited for."""
+        with self._naming_failures():
+            return super().sample(handle, None)
 
     # ---------------------------------------------------------------- failures
     @contextlib.contextmanager
@@ -223,22 +229,6 @@ class DriverWorker(Worker):
         for p in self.processes:
             p.join(timeout=10)
         _stop_processes(self.processes)
-
-
-class _GuardedStep:
-    """A launched step whose wait() also names a failed rank (on CUDA the collectives of
-    the step may fail only when its results are waited for)."""
-
-    # The TP worker takes masks only at launch (defers_token_bitmask is False): every window
-    # with constrained rows is one step, sampled at launch.
-    awaits_bitmask = False
-
-    def __init__(self, pending: PendingStep, driver: DriverWorker) -> None:
-        self.pending, self.driver = pending, driver
-
-    def wait(self) -> StepResult:
-        with self.driver._naming_failures():
-            return self.pending.wait()
 
 
 def _dead_ranks(processes: list) -> str:

@@ -30,7 +30,7 @@ from pagedllm.worker.cuda_graphs import graphs_supported
 from pagedllm.worker.placement import (
     PlacementInputs, WeightSizes, check_weights_fit, describe, place_model, plan_auto,
 )
-from pagedllm.contract import StepBatch, StepResult, WorkerInfo
+from pagedllm.contract import GrammarMasks, StepBatch, StepResult, WorkerInfo
 from pagedllm.worker.model_runner import ModelRunner, PendingStep
 from pagedllm.worker.quantization import (
     describe_gguf, pack_gguf_modules, quantize_fp8, resolve_quantization,
@@ -84,7 +84,7 @@ def resolve_max_model_len(requested: int | None, model_max: int) -> int:
 
 
 class Worker:
-    # A batch may leave its token bitmask for later (StepBatch.defer_token_bitmask).
+    # A batch's masks may come with sample (StepBatch.defer_token_bitmask).
     defers_token_bitmask = True
 
     def __init__(self, args: EngineArgs) -> None:
@@ -386,9 +386,10 @@ class Worker:
         )
 
     # ---------------------------------------------------------------- execution
-    def launch(self, batch: StepBatch) -> PendingStep:
-        """Apply the batch's swaps and copy-on-write copies (in the order the scheduler
-        requires), then queue its forward(s) and sampling; the result is ready at `wait()`."""
+    def execute(self, batch: StepBatch) -> PendingStep:
+        """Executor.execute: apply the batch's swaps and copy-on-write copies (in the order
+        the scheduler requires), then queue its forward(s) and, unless its masks come with
+        `sample`, its sampling."""
         self.cache_engine.swap_out(batch.blocks_to_swap_out)
         self.cache_engine.swap_in(batch.blocks_to_swap_in)
         self.cache_engine.copy(batch.blocks_to_copy)
@@ -397,3 +398,8 @@ class Worker:
             self.draft_cache_engine.swap_in(batch.blocks_to_swap_in)
             self.draft_cache_engine.copy(batch.blocks_to_copy)
         return self.runner.launch(batch, self.cache_engine.gpu_cache)
+
+    def sample(self, handle: PendingStep, masks: GrammarMasks | None) -> StepResult:
+        """Executor.sample: a decode window's sub-steps under their masks, then the samples
+        on the host."""
+        return handle.sample(masks)
