@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import dataclasses
 import json
 import logging
 import os
@@ -16,7 +17,7 @@ import time
 from typing import NoReturn
 
 from pagedllm.entrypoints.usage import EXIT_USAGE, Parser, UsageError
-from pagedllm.entrypoints import vllm_flags
+from pagedllm.entrypoints import serve_models, vllm_flags
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     vllm_flags.add_serve_args(serve)
     vllm_flags.add_http_args(serve)
     EngineArgs.add_cli_args(serve)
+    serve_models.add_models_args(serve)
 
     gen = sub.add_parser("generate", help="answer one prompt and stream it to stdout",
                          description="Answer one prompt, streaming the text to stdout.")
@@ -196,7 +198,6 @@ def run_serve(args: argparse.Namespace) -> int:
     import asyncio
 
     from pagedllm.distributed.parallel_state import torchrun_env
-    from pagedllm.engine.async_engine import AsyncLLMEngine
     from pagedllm.entrypoints.openai.api_server import ServerConfig, bind_socket, serve
 
     if not 0 <= args.port <= 65535:
@@ -210,7 +211,10 @@ def run_serve(args: argparse.Namespace) -> int:
     vllm_flags.check_serve_args(args)
     http = vllm_flags.http_config(args)
     vllm_flags.load_chat_template(args.chat_template)  # a missing file fails before loading
+    namespaces = serve_models.model_namespaces(args)
     torchrun = torchrun_env()
+    if torchrun is not None and len(namespaces) > 1:
+        raise UsageError("several models in one server do not run under torchrun")
     if torchrun is not None and torchrun[1] != 0:
         load_engine(args)  # a torchrun rank other than 0 serves rank 0's steps, exits there
         return 0
@@ -219,27 +223,55 @@ def run_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     _show_progress_logs()
-    engine = AsyncLLMEngine(load_engine(args), log_stats=not args.disable_log_stats)
+    engines = _load_engines(namespaces, not args.disable_log_stats)
+    names = [name for engine in engines
+             for name in getattr(engine.engine, "served_model_names", [engine.model_name])]
 
     def announce(url: str) -> None:
-        print(ready_message(url, engine.model_name, args.api_key), flush=True)
+        print(ready_message(url, ", ".join(names), args.api_key, names[0]), flush=True)
 
     config = ServerConfig(api_key=args.api_key, metrics_need_key=args.metrics_need_key,
                           max_request_bytes=args.max_request_bytes,
                           max_tokens_default=args.max_tokens_default,
                           log_requests=args.log_requests,
-                          reasoning_parser=args.reasoning_parser,
-                          sampling_defaults=vllm_flags.sampling_defaults(args, engine.engine),
-                          **http)
-    asyncio.run(serve(engine, sock, config, announce, args.log_level))
-    if engine.fatal_error is not None:
-        print(f"error: the engine failed: {engine.fatal_error}", file=sys.stderr)
-        return 1
+                          reasoning_parser=args.reasoning_parser, **http)
+    configs = [dataclasses.replace(config, sampling_defaults=vllm_flags.sampling_defaults(
+        ns, engine.engine)) for ns, engine in zip(namespaces, engines)]
+    asyncio.run(serve(engines[0], sock, configs[0], announce, args.log_level,
+                      others=list(zip(engines[1:], configs[1:]))))
+    for engine in engines:
+        if engine.fatal_error is not None:
+            print(f"error: the engine failed: {engine.fatal_error}", file=sys.stderr)
+            return 1
     return 0
 
 
-def ready_message(url: str, model: str, api_key: str | None) -> str:
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}],
+def _load_engines(namespaces: list[argparse.Namespace], log_stats: bool) -> list:
+    """One AsyncLLMEngine per model, in order; two models may not share a name."""
+    from pagedllm.engine.async_engine import AsyncLLMEngine
+
+    engines: list = []
+    seen: set[str] = set()
+    for ns in namespaces:
+        try:
+            engine = load_engine(ns)
+        except UsageError as exc:
+            if len(namespaces) == 1:
+                raise
+            raise UsageError(f"model {serve_models.label(ns)}: {exc}") from None
+        served = getattr(engine, "served_model_names", [engine.model_name])
+        taken = seen.intersection(served)
+        if taken:
+            raise UsageError(f"two models are served as {sorted(taken)[0]!r}; give each its "
+                             "own --served-model-name")
+        seen.update(served)
+        engines.append(AsyncLLMEngine(engine, log_stats=log_stats))
+    return engines
+
+
+def ready_message(url: str, model: str, api_key: str | None, example: str | None = None
+                  ) -> str:
+    body = json.dumps({"model": example or model, "messages": [{"role": "user", "content": "Hello!"}],
                        "max_tokens": 64})
     auth = " -H 'Authorization: Bearer <your --api-key>'" if api_key else ""
     return (

@@ -7,6 +7,7 @@ The Anthropic routes (/v1/messages) answer in Anthropic's error shape instead.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 import socket
@@ -37,6 +38,7 @@ from pagedllm.entrypoints.openai.http_protocol import (
     http_protocol,
 )
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
+from pagedllm.entrypoints.openai.multi_model import MultiModelApp
 from pagedllm.entrypoints.openai.protocol import (
     MESSAGE_ROLES,
     ChatCompletionRequest,
@@ -449,18 +451,29 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def build_multi_app(engines: list[tuple[AsyncLLMEngine, ServerConfig]]) -> ASGIApp:
+    """One app per engine behind a dispatcher by the request's `model` (multi_model.py)."""
+    apps = [build_app(engine, config) for engine, config in engines]
+    names = [functools.partial(vllm_routes.served_names, engine) for engine, _ in engines]
+    return MultiModelApp(list(zip(apps, names)), engines[0][1].max_request_bytes,
+                         _key_refusal(apps[0]))
+
+
 async def serve(
     engine: AsyncLLMEngine,
     sock: socket.socket,
     config: ServerConfig | None = None,
     on_ready: Callable[[str], None] | None = None,
     log_level: str = "warning",
+    others: list[tuple[AsyncLLMEngine, ServerConfig]] | None = None,
 ) -> None:
-    """Serve the app on an already bound socket until interrupted."""
+    """Serve the app on an already bound socket until interrupted; `others`: more models,
+    each its own engine (the connection's settings are `config`'s)."""
     import uvicorn
 
     config = config or ServerConfig()
-    app = build_app(engine, config)
+    app = (build_multi_app([(engine, config), *others]) if others
+           else build_app(engine, config))
     uvicorn_config = uvicorn.Config(
         app, log_level=log_level, timeout_graceful_shutdown=5,
         http=http_protocol(config.header_timeout, config.max_connections,
@@ -481,7 +494,8 @@ async def serve(
 
     # An engine that cannot go on (a tensor-parallel rank died) stops the server once the
     # requests in flight have their error; the command then exits non-zero.
-    engine.on_fatal = lambda exc: setattr(server, "should_exit", True)
+    for each in [engine, *(e for e, _ in others or [])]:
+        each.on_fatal = lambda exc: setattr(server, "should_exit", True)
     announcer = asyncio.ensure_future(announce())
     try:
         await server.serve(sockets=[sock])
