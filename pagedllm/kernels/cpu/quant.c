@@ -847,7 +847,10 @@ static void int_matmul(float *out, int64_t ldo, const float *x, int64_t ldx, int
 
 #define Q8_MAX_ROWS 64
 
-static void quantize_row_q8(const float *x, int64_t k, int8_t *q, float *d, float *s) {
+/* One row's blocks: block b's 32 values at q + b * qstep, its dx and sx at d[b * dstep],
+ * s[b * dstep]. */
+static void quantize_row_q8(const float *x, int64_t k, int8_t *q, int64_t qstep, float *d,
+                            float *s, int64_t dstep) {
     for (int64_t b = 0; b < k / 32; b++) {
         __m256i i[4];
         int32_t sum;
@@ -855,10 +858,10 @@ static void quantize_row_q8(const float *x, int64_t k, int8_t *q, float *d, floa
         /* the packs work within 128-bit lanes: a permute of 32-bit groups restores k order */
         const __m256i p16 = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]),
                                                _mm256_packs_epi32(i[2], i[3]));
-        _mm256_storeu_si256((__m256i *)(q + 32 * b),
+        _mm256_storeu_si256((__m256i *)(q + b * qstep),
                             _mm256_permutevar8x32_epi32(p16, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-        d[b] = dx;
-        s[b] = dx * (float)sum;
+        d[b * dstep] = dx;
+        s[b * dstep] = dx * (float)sum;
     }
 }
 
@@ -867,7 +870,7 @@ static void quantize_row_q8(const float *x, int64_t k, int8_t *q, float *d, floa
 void gguf_quantize_q8_f32(int8_t *q, float *d, float *s, const float *x, int64_t ldx,
                           int64_t rows, int64_t k) {
     for (int64_t r = 0; r < rows; r++)
-        quantize_row_q8(x + r * ldx, k, q + r * k, d + r * (k / 32), s + r * (k / 32));
+        quantize_row_q8(x + r * ldx, k, q + r * k, 32, d + r * (k / 32), s + r * (k / 32), 1);
 }
 
 /* 8 int32 partial sums of u[i] * v[i] over 32 unsigned bytes u and signed bytes v */
@@ -907,72 +910,85 @@ static inline __attribute__((always_inline)) __m256i q8_weight_block(
                             _mm_and_si128(bytes, mask));
 }
 
-/* Block j of one weight row against NR quantized activation rows, into acc[r], corr[r]. */
+/* Block j of one weight row against NR quantized activation rows, into acc[r], and the
+ * offset terms of 8 rows at once into *corr. The activations are block-major (Q8Rows): the
+ * rows' blocks j lie side by side at xq (32 bytes a row), their dx and sx at xd and xs (8
+ * floats, rows past NR zero), so every address is a constant offset and the accumulators
+ * stay in registers. */
 static inline __attribute__((always_inline)) void q8_block(int64_t QT, const uint8_t *row,
                                                            int64_t j, const int8_t *xq,
                                                            const float *xd, const float *xs,
-                                                           int64_t k, int NR, __m256 *acc,
-                                                           float *corr) {
-    const int64_t nb = k / 32;
+                                                           int NR, __m256 *acc, __m256 *corr) {
     __m256i sign = _mm256_setzero_si256();
     float d, off;
     const __m256i w = q8_weight_block(QT, row, j, &sign, &d, &off);
+    float scale[8]; /* d * dx of each row, broadcast from memory below */
+    _mm256_storeu_ps(scale, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_loadu_ps(xd)));
+    if (QT != Q8_0) *corr = _mm256_fmadd_ps(_mm256_set1_ps(off), _mm256_loadu_ps(xs), *corr);
     for (int r = 0; r < NR; r++) {
-        __m256i x = _mm256_loadu_si256((const __m256i *)(xq + r * k + 32 * j));
+        __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 32 * r));
         if (QT == Q8_0) x = _mm256_sign_epi8(x, sign);
         const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(w, x));
-        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd[r * nb + j]), p, acc[r]);
-        if (QT != Q8_0) corr[r] = fmaf(off, xs[r * nb + j], corr[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(scale + r), p, acc[r]);
     }
 }
 
-/* One weight row against NR quantized activation rows (NR <= 8), into out[r * ldo]. Up to
- * 4 rows, even and odd blocks go to separate accumulators, so that consecutive blocks do
- * not wait on each other's FMA. */
+/* The quantized activations, block-major: block j of row r at q + (j * rp + r) * 32, its
+ * dx and sx at d[j * rp + r], s[j * rp + r]; rp is rows rounded up to 8 (zero rows). */
+typedef struct {
+    int8_t *q;
+    float *d, *s;
+    int64_t rp;
+} Q8Rows;
+
+/* One weight row against NR quantized activation rows from row r0 (NR <= 8), into
+ * out[r * ldo]. Up to 4 rows, even and odd blocks go to separate accumulators, so that
+ * consecutive blocks do not wait on each other's FMA. */
 static inline __attribute__((always_inline)) void q8_rows(int64_t QT, const uint8_t *row,
-                                                          const int8_t *xq, const float *xd,
-                                                          const float *xs, int64_t k, int NR,
-                                                          float *out, int64_t ldo) {
-    __m256 acc[8];
-    float corr[8];
+                                                          Q8Rows x, int64_t r0, int64_t k,
+                                                          int NR, float *out, int64_t ldo) {
+    __m256 acc[8], corr[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     const int pairs = NR <= 4, width = pairs ? 2 * NR : NR;
-    for (int r = 0; r < width; r++) {
-        acc[r] = _mm256_setzero_ps();
-        corr[r] = 0.0f;
-    }
-    const int64_t nb = k / 32;
+    for (int r = 0; r < width; r++) acc[r] = _mm256_setzero_ps();
+    const int64_t nb = k / 32, rp = x.rp;
+    const int8_t *xq = x.q + r0 * 32;
+    const float *xd = x.d + r0, *xs = x.s + r0;
     int64_t j = 0;
     if (pairs) {
         for (; j + 2 <= nb; j += 2) {
-            q8_block(QT, row, j, xq, xd, xs, k, NR, acc, corr);
-            q8_block(QT, row, j + 1, xq, xd, xs, k, NR, acc + NR, corr + NR);
+            q8_block(QT, row, j, xq + j * rp * 32, xd + j * rp, xs + j * rp, NR, acc, corr);
+            q8_block(QT, row, j + 1, xq + (j + 1) * rp * 32, xd + (j + 1) * rp,
+                     xs + (j + 1) * rp, NR, acc + NR, corr + 1);
         }
     }
-    for (; j < nb; j++) q8_block(QT, row, j, xq, xd, xs, k, NR, acc, corr);
+    for (; j < nb; j++)
+        q8_block(QT, row, j, xq + j * rp * 32, xd + j * rp, xs + j * rp, NR, acc, corr);
+    float c[8];
+    _mm256_storeu_ps(c, _mm256_add_ps(corr[0], corr[1]));
     for (int r = 0; r < NR; r++) {
         const __m256 a = pairs ? _mm256_add_ps(acc[r], acc[NR + r]) : acc[r];
-        out[r * ldo] = hsum256(a) + (pairs ? corr[r] + corr[NR + r] : corr[r]);
+        out[r * ldo] = hsum256(a) + c[r];
     }
 }
 
 #define Q8_ROWS_CASES(QT)                                                                    \
     switch (nr) {                                                                            \
-    case 1: q8_rows(QT, row, xq, xd, xs, k, 1, o, ldo); break;                               \
-    case 2: q8_rows(QT, row, xq, xd, xs, k, 2, o, ldo); break;                               \
-    case 3: q8_rows(QT, row, xq, xd, xs, k, 3, o, ldo); break;                               \
-    case 4: q8_rows(QT, row, xq, xd, xs, k, 4, o, ldo); break;                               \
-    case 5: q8_rows(QT, row, xq, xd, xs, k, 5, o, ldo); break;                               \
-    case 6: q8_rows(QT, row, xq, xd, xs, k, 6, o, ldo); break;                               \
-    case 7: q8_rows(QT, row, xq, xd, xs, k, 7, o, ldo); break;                               \
-    default: q8_rows(QT, row, xq, xd, xs, k, 8, o, ldo); break;                              \
+    case 1: q8_rows(QT, row, xr, r0, k, 1, o, ldo); break;                                   \
+    case 2: q8_rows(QT, row, xr, r0, k, 2, o, ldo); break;                                   \
+    case 3: q8_rows(QT, row, xr, r0, k, 3, o, ldo); break;                                   \
+    case 4: q8_rows(QT, row, xr, r0, k, 4, o, ldo); break;                                   \
+    case 5: q8_rows(QT, row, xr, r0, k, 5, o, ldo); break;                                   \
+    case 6: q8_rows(QT, row, xr, r0, k, 6, o, ldo); break;                                   \
+    case 7: q8_rows(QT, row, xr, r0, k, 7, o, ldo); break;                                   \
+    default: q8_rows(QT, row, xr, r0, k, 8, o, ldo); break;                                  \
     }
 
 static void q8_matmul(float *out, int64_t ldo, const float *x, int64_t ldx, int64_t rows,
                       const uint8_t *w, int64_t qtype, int64_t n, int64_t k,
                       int64_t num_threads) {
-    const int64_t row_bytes = gguf_row_bytes(qtype, k), nb = k / 32;
-    int8_t *qbuf = malloc((size_t)(rows * k) + 64);
-    float *dbuf = malloc(sizeof(float) * (size_t)(2 * rows * nb) + 64);
+    const int64_t row_bytes = gguf_row_bytes(qtype, k), nb = k / 32, rp = (rows + 7) & ~7;
+    int8_t *qbuf = malloc((size_t)(rp * k) + 64);
+    float *dbuf = calloc((size_t)(2 * rp * nb) + 16, sizeof(float)); /* padding rows: 0 */
     if (qbuf == NULL || dbuf == NULL) {
         free(qbuf);
         free(dbuf);
@@ -980,16 +996,15 @@ static void q8_matmul(float *out, int64_t ldo, const float *x, int64_t ldx, int6
             for (int64_t j = 0; j < n; j++) out[r * ldo + j] = NAN; /* never silently wrong */
         return;
     }
-    gguf_quantize_q8_f32(qbuf, dbuf, dbuf + rows * nb, x, ldx, rows, k);
-    const float *sbuf = dbuf + rows * nb;
+    const Q8Rows xr = {qbuf, dbuf, dbuf + rp * nb, rp};
+    for (int64_t r = 0; r < rows; r++)
+        quantize_row_q8(x + r * ldx, k, xr.q + r * 32, rp * 32, xr.d + r, xr.s + r, rp);
     /* each weight row meets the activation rows 8 at a time; its bytes stay in L1 */
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (n * k >= 65536)
     for (int64_t j = 0; j < n; j++) {
         const uint8_t *row = w + j * row_bytes;
         for (int64_t r0 = 0; r0 < rows; r0 += 8) {
             const int nr = rows - r0 < 8 ? (int)(rows - r0) : 8;
-            const int8_t *xq = qbuf + r0 * k;
-            const float *xd = dbuf + r0 * nb, *xs = sbuf + r0 * nb;
             float *o = out + r0 * ldo + j;
             switch (qtype) {
             case Q8_0: Q8_ROWS_CASES(Q8_0) break;
