@@ -12,7 +12,7 @@ LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 PREEMPTION_MODES = ("recompute", "swap")
 QUANTIZATIONS = ("gguf", "fp8")  # worker/quantization.py
 # --kv-cache-dtype (vLLM's values): auto keeps the model's dtype; fp8 and fp8_e4m3 store the
-# paged KV cache as float8_e4m3fn with one scale per layer (CUDA only).
+# paged KV cache as float8_e4m3fn with a scale of 1.0 (CUDA only; worker/cache_engine.py).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 CPU_ACTIVATIONS = ("fp32", "int8")  # layers/gguf_linear.py (PackedMatrix.int8_activations)
 

@@ -81,11 +81,14 @@ def test_rotary_write_to_fp8_is_rotary_then_the_fp8_write():
     slots = torch.tensor([1, 2, -1, 9, 30])
     start = torch.zeros(2, 2, 16, kv_heads, head_dim, dtype=FP8)
     want_cache = start.float().clone()
-    q_ref, k_ref = q.clone(), k.clone()
-    triton_rotary_embedding(positions, q_ref, k_ref, cos_sin)
+    q_ref, k_ref = q.clone().to(DEVICE), k.clone().to(DEVICE)
+    triton_rotary_embedding(positions.to(DEVICE), q_ref, k_ref, cos_sin.to(DEVICE))
+    q_ref, k_ref = q_ref.cpu(), k_ref.cpu()
     write_kv_cache(to_fp8(k_ref).float(), to_fp8(v).float(), want_cache, slots)
-    cache = start.clone()
-    triton_rotary_write_kv_cache(positions, q, k, v, cache, slots, cos_sin)
+    cache, q_dev = start.clone().to(DEVICE), q.clone().to(DEVICE)
+    triton_rotary_write_kv_cache(positions.to(DEVICE), q_dev, k.clone().to(DEVICE), v.to(DEVICE),
+                                 cache, slots.to(DEVICE), cos_sin.to(DEVICE))
+    cache, q = cache.cpu(), q_dev.cpu()
     assert_fp8_equal(cache[1].float(), want_cache[1])  # values: no arithmetic before the cast
     # keys: rotated in another kernel (an fp32 ulp apart), then one E4M3 rounding (the
     # interpreter's may halve a value, see assert_fp8_equal)
@@ -116,7 +119,7 @@ def test_attention_over_an_fp8_cache(phase, seq_lens, query_lens, splits, monkey
     batch, cache = fp8_batch(seq_lens, query_lens, num_heads=4, num_kv_heads=2)
     out = attend(batch, cache.to(DEVICE), splits).cpu()
     assert not out.isnan().any()
-    dequantized = paged_attention(batch.query.cpu(), cache.float().nan_to_num(0.0),
+    dequantized = paged_attention(batch.query.cpu(), cache.cpu().float().nan_to_num(0.0),
                                   batch.meta.to("cpu"), batch.scale)
     torch.testing.assert_close(out, dequantized, atol=1e-5, rtol=1e-4)
     exact = paged_attention(batch.query.cpu(), batch.kv_cache.cpu().nan_to_num(0.0),
@@ -178,6 +181,7 @@ def test_cache_engine_holds_fp8_blocks_and_swaps_and_copies_them():
         assert torch.equal(layer[:, 2].float(), old[:, 1].float())
 
 
+@pytest.mark.skipif(not INTERPRETED, reason="CPU tensors through Triton: the interpreter")
 def test_model_forward_through_triton_over_an_fp8_cache():
     """A tiny Llama, every layer through the Triton backend (the CUDA path, interpreted): a
     prompt then two decode steps over an FP8 cache give logits close to the fp32 cache's,

@@ -144,7 +144,7 @@ def test_sampler_sortfree_path_greedy_rows_and_fallback():
               SamplingParams(temperature=0.0)]
     tokens, lse = _sample_with_triton(logits, logits, sampling_rows(params), sortfree=True)
     tokens = tokens.cpu()
-    assert tokens[0] == logits[0].argmax() and tokens[3] == logits[3].argmax()
+    assert tokens[0] == logits[0].argmax().item() and tokens[3] == logits[3].argmax().item()
     for i in (1, 2):
         assert kept_by_sort(logits[i], params[i])[tokens[i]]
     torch.testing.assert_close(lse.cpu(), logits.cpu().logsumexp(-1, keepdim=True))
