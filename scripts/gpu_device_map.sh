@@ -24,7 +24,8 @@ REPEATS=${GPU_MAP_REPEATS:-2}
 TWO=$(python3 -c 'import torch; print(int(torch.cuda.device_count() >= 2))')
 case ",$STEPS," in *,parity,*)
     echo "== parity (fp32, SmolLM2 shape)"
-    python3 scripts/gpu_device_map.py --out "$LOGS/device_map.json" 2>&1 | grep "^{" ;;
+    python3 -m pytest -q -p no:cacheprovider -rP -m cuda tests/gpu/test_device_map.py 2>&1 \
+        | grep -E "tok/s|passed|failed|skipped|Error" ;;
 esac
 case ",$STEPS,$TWO" in *,two-gpu,*1)
     for i in $(seq "$REPEATS"); do

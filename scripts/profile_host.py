@@ -127,7 +127,7 @@ def report_device_gaps(name: str, wall: float) -> None:
 def install(llm: LLM, mask_threads: int | None = None) -> None:
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.worker import model_runner as mr
-    from pagedllm.worker.inputs import StepResult
+    from pagedllm.contract import StepResult
 
     engine = llm.engine
     for name in ("_update", "add_request", "_make_output", "_launch"):

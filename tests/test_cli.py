@@ -57,9 +57,9 @@ def test_help(capsys):
 
 
 def test_bench_help_lists_every_workload_on_one_line(capsys):
-    from pagedllm.benchmarks import WORKLOAD_HELP, workloads
+    from pagedllm.benchmarks import STANDALONE, WORKLOAD_HELP, workloads
 
-    assert set(WORKLOAD_HELP) == {*workloads.WORKLOADS, "serve", "load", "engine-state"}
+    assert set(WORKLOAD_HELP) == {*workloads.WORKLOADS, *STANDALONE}
     code, out, _ = run_main(capsys, "bench", "--help")
     assert code == 0
     lines = out.splitlines()

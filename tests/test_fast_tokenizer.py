@@ -71,6 +71,8 @@ def test_encode_decode_and_vocabulary_match_transformers(pair):
     assert (fast.bos_token_id, fast.eos_token_id, fast.pad_token_id, fast.unk_token_id) == (
         hf.bos_token_id, hf.eos_token_id, hf.pad_token_id, hf.unk_token_id)
     assert fast.special_tokens_map == hf.special_tokens_map
+    assert ({i: (t.content, t.special) for i, t in fast.added_tokens_decoder.items()}
+            == {i: (t.content, t.special) for i, t in hf.added_tokens_decoder.items()})
     assert fast.convert_ids_to_tokens(list(range(len(hf)))) == hf.convert_ids_to_tokens(
         list(range(len(hf))))
     for text in TEXTS:

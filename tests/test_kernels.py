@@ -45,7 +45,7 @@ if DEVICE == "cpu" and not isinstance(triton_attention._paged_decode_kernel, Int
                 allow_module_level=True)
 # The interpreter cannot run tl.dot on bfloat16 (it multiplies the raw uint16 bit patterns:
 # triton-lang/triton#11584), and it truncates fp32 -> bf16 casts where the GPU rounds to
-# nearest even. bf16 attention is checked on the GPU by scripts/gpu_kernel_bench.py.
+# nearest even. bf16 attention is checked on the GPU by tests/gpu/test_kernel_checks.py.
 BF16_DOT = pytest.mark.skipif(INTERPRETED, reason="Triton's interpreter cannot run tl.dot on bfloat16")
 NAN = float("nan")
 

@@ -17,6 +17,7 @@ import pagedllm
 
 ROOT = Path(pagedllm.__file__).parent
 GROUND_FLOOR = {"pagedllm.config", "pagedllm.outputs", "pagedllm.sampling_params",
+                "pagedllm.contract",
                 "pagedllm.pooling_params",
                 "pagedllm.structured_grammar",
                 "pagedllm.engine_args"}
@@ -117,3 +118,24 @@ def test_no_import_cycle():
         if m not in state:
             visit(m)
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+# engine/ reaches worker/ only through the contract (pagedllm.contract: the plain data and
+# the Executor protocol) and the one factory that makes an Executor.
+ENGINE_TO_WORKER = {("pagedllm.worker.tp_worker", "create_worker")}
+
+
+def test_engine_reaches_the_worker_only_through_the_contract():
+    found = []
+    for module, path in MODULES.items():
+        if not module.startswith("pagedllm.engine"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                found += [f"{module}:{node.lineno} import {a.name}" for a in node.names
+                          if a.name.startswith("pagedllm.worker")]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                    "pagedllm.worker"):
+                found += [f"{module}:{node.lineno} from {node.module} import {a.name}"
+                          for a in node.names if (node.module, a.name) not in ENGINE_TO_WORKER]
+    assert not found, "engine/ imports the worker past the contract:\n" + "\n".join(found)

@@ -6,6 +6,7 @@ import itertools
 import pytest
 
 from pagedllm.config import CacheConfig, SchedulerConfig
+from tests.scheduler_helpers import mark_step_computed
 from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
 from pagedllm.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.sampling_params import SamplingParams
@@ -40,7 +41,7 @@ def add(scheduler: Scheduler, tokens: list[int], request_id: str | None = None,
 def step(scheduler: Scheduler, token: int = 1) -> SchedulerOutput:
     """One engine step: schedule, 'run the model', append a token to every sampled sequence."""
     out = scheduler.schedule()
-    scheduler.on_step_done(out)
+    mark_step_computed(scheduler, out)
     for scheduled in out.scheduled_seq_groups:
         if scheduled.do_sample:
             for seq in scheduled.seq_group.get_seqs(SequenceStatus.RUNNING):
@@ -350,7 +351,7 @@ def test_steady_decoding_builds_no_status_lists_and_counts_no_slots(monkeypatch)
     monkeypatch.setattr(Scheduler, "_seq_slots",
                         staticmethod(counting("_seq_slots", Scheduler._seq_slots)))
     out = s.schedule()
-    s.on_step_done(out)
+    mark_step_computed(s, out)
     s.free_finished_seq_groups()
     assert len(out.scheduled_seq_groups) == 6
     assert calls == {"get_seqs": 0, "_seq_slots": 0}
@@ -407,7 +408,7 @@ def test_lookahead_slots_cover_the_multi_step_tokens_and_come_back():
     for g in (a, b):
         for _ in range(6):
             g.get_seqs()[0].append_token(3)
-    scheduler.on_step_done(out, num_steps=6)
+    mark_step_computed(scheduler, out, 6)
     assert [g.get_seqs()[0].num_computed_tokens for g in (a, b)] == [12, 9]
     out = scheduler.schedule()  # a's 13th token needs a 4th block
     assert chunks(out) == {a.request_id: (1, True), b.request_id: (1, True)}

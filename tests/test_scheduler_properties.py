@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from pagedllm.config import CacheConfig, SchedulerConfig
+from tests.scheduler_helpers import mark_step_computed
 from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
 from pagedllm.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.sampling_params import SamplingParams
@@ -101,7 +102,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                     seq.status = SequenceStatus.FINISHED_STOPPED
                     self.scheduler.free_seq(seq)
                     break
-        self.scheduler.on_step_done(out, num_steps)
+        mark_step_computed(self.scheduler, out, num_steps)
         self.scheduler.free_finished_seq_groups()
 
     @rule(data=st.data(), k=st.integers(1, 4))
@@ -147,7 +148,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         if out is None:
             out = self.scheduler.schedule()
             self._check_output(out)
-        self.scheduler.on_step_done(out)
+        mark_step_computed(self.scheduler, out)
         for scheduled in out.scheduled_seq_groups:
             if not scheduled.do_sample:
                 continue
@@ -256,7 +257,7 @@ def test_abort_everything_frees_every_block():
         s.add_seq_group(SequenceGroup(f"r{i}", [seq], SamplingParams(n=2)))
     for _ in range(6):
         out = s.schedule()
-        s.on_step_done(out)
+        mark_step_computed(s, out)
         for scheduled in out.scheduled_seq_groups:
             if scheduled.do_sample:
                 group = scheduled.seq_group

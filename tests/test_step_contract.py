@@ -1,4 +1,4 @@
-"""The plain step contract between engine and worker (worker/inputs.py): the worker builds its
+"""The plain step contract between engine and worker (pagedllm/contract.py): the worker builds its
 own state from the batches' deltas, batches survive pickling (tensor parallelism will send
 them to other ranks), and async scheduling (the next decode window launched before the
 running one's samples are read) gives the synchronous results."""
@@ -13,11 +13,12 @@ import torch
 from pagedllm import SamplingParams
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.config import CacheConfig, ModelConfig, SchedulerConfig
+from tests.scheduler_helpers import mark_step_computed
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.sequence import Sequence, SequenceGroup
 from pagedllm.loader import initialize_dummy_weights
 from pagedllm.models.registry import build_model
-from pagedllm.worker.inputs import Fork, NewSequence, StepBatch
+from pagedllm.contract import Fork, NewSequence, StepBatch
 from pagedllm.worker.model_runner import ModelRunner
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived"
@@ -64,12 +65,12 @@ def test_a_decode_token_not_sent_yet_comes_from_the_last_step(tiny):
                           block_tables={0: (0, [3, 7]), 1: (0, [1])})
         for i, p in prompts.items():
             first.add_row(i, [], 0, len(p), True)
-        r1 = runner.execute(first, caches)
+        r1 = runner.launch(first, caches).wait()
         second = StepBatch(block_tables={1: (1, [12])})  # seq 1 grows into a second block
         for i, p in prompts.items():
             sent = [token_of(r1, i)] if mode == "sync" else []
             second.add_row(i, sent, len(p), 1, True)
-        r2 = runner.execute(second, caches)
+        r2 = runner.launch(second, caches).wait()
         results[mode] = [(token_of(r1, i), token_of(r2, i)) for i in prompts]
         assert runner.seqs[1].block_table == [1, 12]
         assert runner.seqs[0].output_token_ids == ([token_of(r1, 0)] if mode == "sync" else [])
@@ -80,16 +81,16 @@ def test_the_worker_rejects_tokens_it_was_never_sent(tiny):
     runner, caches = make_runner(tiny)
     batch = StepBatch(new_seqs=[NewSequence(0, [1, 2, 3], GREEDY)], block_tables={0: (0, [0])})
     batch.add_row(0, [], 0, 3, False)  # a prompt chunk: nothing sampled
-    runner.execute(batch, caches)
+    runner.launch(batch, caches).wait()
     decode = StepBatch()
     decode.add_row(0, [], 3, 1, True)
     with pytest.raises(ValueError, match=r"sequence 0: tokens \[3, 4\) were never sent to the "
                                          r"worker \(it holds 3\) and are not the last step's"):
-        runner.execute(decode, caches)
+        runner.launch(decode, caches).wait()
     unknown = StepBatch()
     unknown.add_row(7, [4], 3, 1, True)
     with pytest.raises(ValueError, match="sequence 7 is not known to the worker"):
-        runner.execute(unknown, caches)
+        runner.launch(unknown, caches).wait()
 
 
 def test_forks_copy_the_parent_and_freed_sequences_are_dropped(tiny):
@@ -98,16 +99,16 @@ def test_forks_copy_the_parent_and_freed_sequences_are_dropped(tiny):
     batch = StepBatch(new_seqs=[NewSequence(0, [4, 5, 6], seeded, seed=11)],
                       block_tables={0: (0, [2])}, num_samples={0: 2})
     batch.add_row(0, [], 0, 3, True)
-    first = runner.execute(batch, caches).samples()[0][0]
+    first = runner.launch(batch, caches).wait().samples()[0][0]
     assert len(first) == 2  # the parent's row drew both samples
     fork = StepBatch(forks=[Fork(0, 1, seed=12)], block_tables={1: (0, [2])})
     fork.add_row(0, [first[0].token_id], 3, 1, True)
     fork.add_row(1, [first[1].token_id], 3, 1, True)
-    runner.execute(fork, caches)
+    runner.launch(fork, caches).wait()
     child = runner.seqs[1]
     assert child.prompt_token_ids == [4, 5, 6] and child.output_token_ids == [first[1].token_id]
     assert child.generator is not None and child.generator is not runner.seqs[0].generator
-    runner.execute(StepBatch(freed_seq_ids=[0, 1]), caches)
+    runner.launch(StepBatch(freed_seq_ids=[0, 1]), caches).wait()
     assert runner.seqs == {}
 
 
@@ -276,7 +277,7 @@ def scheduler_with(prompts, max_num_seqs=8, num_gpu_blocks=64, **params):
 def decode_once(s):
     """Prefill every prompt and append its first token: the next schedule is a decode."""
     out = s.schedule()
-    s.on_step_done(out)
+    mark_step_computed(s, out)
     for scheduled in out.scheduled_seq_groups:
         for seq in scheduled.seq_group.get_seqs():
             seq.append_token(1)

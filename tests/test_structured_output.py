@@ -338,7 +338,7 @@ def test_worker_applies_a_pickled_bitmask_to_its_rows_only(tiny):
     ids, the other rows sample what they sample without a mask."""
     import pickle
 
-    from pagedllm.worker.inputs import NewSequence, StepBatch
+    from pagedllm.contract import NewSequence, StepBatch
 
     def run(mask):
         runner, caches = make_runner(tiny)
@@ -350,7 +350,7 @@ def test_worker_applies_a_pickled_bitmask_to_its_rows_only(tiny):
         if mask is not None:
             batch.token_bitmask, batch.token_bitmask_rows = mask, [1]
         batch = pickle.loads(pickle.dumps(batch))
-        return [token_of(runner.execute(batch, caches), i) for i in range(3)]
+        return [token_of(runner.launch(batch, caches).wait(), i) for i in range(3)]
 
     free = run(None)
     allowed = [t for t in (11, 42, 90) if t != free[1]]

@@ -1,7 +1,8 @@
 """Benchmarks: `pagedllm bench <workload>` prints numbers (never asserted by tests).
 
 WORKLOAD_HELP is what `pagedllm bench --help` lists; it lives here, apart from the
-workloads, so the help needs no torch.
+workloads, so the help needs no torch. STANDALONE: the workloads that are a module of their
+own here, with `main(argv) -> int`; the others are workloads.WORKLOADS.
 """
 
 WORKLOAD_HELP = {
@@ -16,4 +17,18 @@ WORKLOAD_HELP = {
     "serve": "concurrent streaming clients against the OpenAI-compatible server",
     "engine-state": "cost of one GET /v1/engine/state snapshot at 256 running sequences",
     "load": "LLM(), `pagedllm --help` and `generate` in fresh processes vs transformers' load",
+    "big-prompt": "a stream's inter-token latency while another client sends a huge prompt",
+    "kernels": "Triton kernel checks at Llama-3-8B shapes on CUDA, then their timings",
+    "fp8": "FP8 linears at Llama-3-8B shapes on CUDA: errors and times vs bf16",
+    "tp-allreduce": "share of a tensor-parallel decode step's GPU time in NCCL kernels",
+}
+
+STANDALONE = {
+    "serve": "serve_bench",
+    "load": "load_bench",
+    "engine-state": "engine_state_bench",
+    "big-prompt": "big_prompt_bench",
+    "kernels": "kernel_bench",
+    "fp8": "fp8_bench",
+    "tp-allreduce": "tp_allreduce_bench",
 }

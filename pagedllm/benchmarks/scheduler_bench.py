@@ -1,6 +1,6 @@
 """The host-side cost of one decode step: scheduler + block manager, no model.
 
-Every step the engine pays schedule(), on_step_done(), appending the sampled token to each
+Every step the engine pays schedule(), mark_computed(), appending the sampled token to each
 sequence and freeing finished groups. With many running sequences this is pure Python on the
 critical path between two forwards, so it must stay small next to a GPU decode step. The
 StepBatch the engine then builds for the worker (engine/batch_builder.py) is timed apart
@@ -67,7 +67,9 @@ def _step(scheduler: Scheduler, tokens: list[int], offset: int,
         builder.build(out)
         build_ns = time.perf_counter_ns() - start
         build_cpu_ns = time.thread_time_ns() - cpu_start
-    scheduler.on_step_done(out)
+    for scheduled in out.scheduled_seq_groups:  # counted computed as the engine's update does
+        for seq in scheduled.seq_group.get_seqs(SequenceStatus.RUNNING):
+            scheduler.mark_computed(seq, scheduled.token_chunk_size)
     i = offset
     for scheduled in out.scheduled_seq_groups:
         if scheduled.do_sample:

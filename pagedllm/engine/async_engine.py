@@ -117,6 +117,14 @@ class AsyncLLMEngine:
         return self.engine.max_model_len
 
     @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.engine.model_config.hidden_size
+
+    @property
     def num_in_flight(self) -> int:
         return len(self._streams)
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from pagedllm.engine.scheduler import SchedulerOutput
 from pagedllm.engine.sequence import Sequence, SequenceStatus
-from pagedllm.worker.inputs import Fork, NewSequence, StepBatch
+from pagedllm.contract import Fork, NewSequence, StepBatch
 
 RUNNING = SequenceStatus.RUNNING
 

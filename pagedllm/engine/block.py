@@ -110,9 +110,6 @@ class BlockAllocator:
     def contains_hash(self, block_hash: int) -> bool:
         return block_hash in self.cached_blocks
 
-    def get_cached_block(self, block_hash: int) -> PhysicalTokenBlock | None:
-        return self.cached_blocks.get(block_hash)
-
     def lookup(self, content: Any) -> PhysicalTokenBlock | None:
         """The cached block holding exactly `content` (a BlockTokens); None on a miss,
         including a block whose hash is the same but whose tokens are not."""

@@ -360,18 +360,6 @@ class Scheduler:
         seq.num_computed_tokens += num_tokens
         self.block_manager.mark_blocks_computed(seq)
 
-    def on_step_done(self, out: SchedulerOutput, num_steps: int = 1) -> None:
-        """The model ran `out` (`num_steps` times in multi-step, where every chunk is one
-        decode token and the samples were appended first): its tokens now have K/V in the
-        cache. (The engine calls `mark_computed` per sequence as it appends.)"""
-        mark_blocks_computed = self.block_manager.mark_blocks_computed
-        for scheduled in out.scheduled_seq_groups:
-            chunk = scheduled.token_chunk_size * num_steps
-            for seq in scheduled.seq_group.seqs_dict.values():
-                if seq.status is RUNNING:
-                    seq.num_computed_tokens += chunk
-                    mark_blocks_computed(seq)
-
     def _budget_left(self, out: SchedulerOutput) -> int:
         return self.scheduler_config.max_num_batched_tokens - out.num_batched_tokens
 

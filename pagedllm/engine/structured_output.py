@@ -29,20 +29,21 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
     from pagedllm.engine.sequence import SequenceGroup
-    from pagedllm.worker.inputs import StepBatch
+    from pagedllm.contract import StepBatch
 
 logger = logging.getLogger(__name__)
 
-# llguidance's tokenizer is built from the HF tokenizer's vocabulary (about 0.5 s for
-# SmolLM2's): once per tokenizer object and EOS set.
+# llguidance's tokenizer is built from the HF tokenizer's whole vocabulary (slow): once per
+# tokenizer object and EOS set.
 # Keyed by id(tokenizer); the entry keeps the tokenizer alive so the id stays its own.
 _LL_TOKENIZERS: dict[tuple[int, tuple[int, ...]], tuple[Any, Any]] = {}
-# Fresh matchers kept per grammar: building one costs ~1.6 ms (validated, then compiled), a
-# copy of a fresh one ~3 us, and a batch of requests usually shares a few schemas. Each
+# Fresh matchers kept per grammar: building one validates and compiles the grammar, a copy of
+# a fresh one is far cheaper, and a batch of requests usually shares a few schemas. Each
 # fresh matcher keeps its own lexer (its DFA grows as masks are computed): the total kept
 # is bounded too, the least recently used grammars going first.
 MAX_CACHED_GRAMMARS = 64
@@ -228,14 +229,14 @@ class StructuredOutputManager:
         self.host_seconds += time.perf_counter() - start
         return done
 
-    def advance(self, batch: "StepBatch", samples: torch.Tensor) -> None:
-        """Consume one step's samples (host [samples, 3 + 2k] packed, one sample per
+    def advance(self, batch: "StepBatch", token_ids: np.ndarray) -> None:
+        """Consume one step's sampled token ids (host int64 [samples], one sample per
         sampled row of `batch`) into the constrained rows' matchers, ahead of the engine's
         append; a finished or failed grammar takes no more tokens."""
         self._settle()
         start = time.perf_counter()
         matchers = self.matchers
-        tokens = samples[:, 0].tolist()
+        tokens = token_ids.tolist()
         sampled = (s for s, do_sample in zip(batch.seq_ids, batch.do_sample) if do_sample)
         for seq_id, token in zip(sampled, tokens):
             matcher = matchers.get(seq_id)

@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
                        choices=["critical", "error", "warning", "info", "debug", "trace"],
                        help="the HTTP server's (uvicorn's) log level (default: warning)")
     vllm_flags.add_serve_args(serve)
+    vllm_flags.add_http_args(serve)
     EngineArgs.add_cli_args(serve)
 
     gen = sub.add_parser("generate", help="answer one prompt and stream it to stdout",
@@ -176,6 +177,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.metrics_need_key and args.api_key is None:
         raise UsageError("--metrics-need-key needs --api-key")
     vllm_flags.check_serve_args(args)
+    http = vllm_flags.http_config(args)
     vllm_flags.load_chat_template(args.chat_template)  # a missing file fails before loading
     torchrun = torchrun_env()
     if torchrun is not None and torchrun[1] != 0:
@@ -196,7 +198,8 @@ def run_serve(args: argparse.Namespace) -> int:
                           max_tokens_default=args.max_tokens_default,
                           log_requests=args.log_requests,
                           reasoning_parser=args.reasoning_parser,
-                          sampling_defaults=vllm_flags.sampling_defaults(args, engine.engine))
+                          sampling_defaults=vllm_flags.sampling_defaults(args, engine.engine),
+                          **http)
     asyncio.run(serve(engine, sock, config, announce, args.log_level))
     if engine.fatal_error is not None:
         print(f"error: the engine failed: {engine.fatal_error}", file=sys.stderr)
@@ -280,6 +283,37 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+CHAT_HISTORY = "~/.cache/pagedllm/chat_history"
+
+
+def _use_readline() -> None:
+    """Line editing and history for input() at a terminal (readline, where Python has it);
+    the history persists in CHAT_HISTORY when that folder can be written."""
+    try:
+        import readline
+    except ImportError:  # e.g. Windows: plain input()
+        return
+    import atexit
+    from pathlib import Path
+
+    path = Path(CHAT_HISTORY).expanduser()
+    readline.set_history_length(1000)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists():
+            readline.read_history_file(path)
+    except OSError:
+        return  # history for this session only
+    atexit.register(_save_history, readline, path)
+
+
+def _save_history(readline, path) -> None:
+    try:
+        readline.write_history_file(path)
+    except OSError:
+        pass
+
+
 def run_chat(args: argparse.Namespace) -> int:
     params = _sampling_params(args)
     engine = load_engine(args)
@@ -288,6 +322,7 @@ def run_chat(args: argparse.Namespace) -> int:
     history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()
     if interactive:
+        _use_readline()
         print("Type a message and press Enter; /exit or Ctrl-D quits.", file=sys.stderr)
     for turn in range(sys.maxsize):
         try:
@@ -320,18 +355,12 @@ def run_chat(args: argparse.Namespace) -> int:
 
 
 def run_bench(workload: str, argv: list[str]) -> int:
-    if workload == "serve":
-        from pagedllm.benchmarks import serve_bench
+    import importlib
 
-        return serve_bench.main(argv)
-    if workload == "load":
-        from pagedllm.benchmarks import load_bench
+    from pagedllm.benchmarks import STANDALONE
 
-        return load_bench.main(argv)
-    if workload == "engine-state":
-        from pagedllm.benchmarks import engine_state_bench
-
-        return engine_state_bench.main(argv)
+    if workload in STANDALONE:
+        return importlib.import_module(f"pagedllm.benchmarks.{STANDALONE[workload]}").main(argv)
     from pagedllm.benchmarks import workloads  # imported here: it pulls in the peers
 
     return workloads.main([workload, *argv])

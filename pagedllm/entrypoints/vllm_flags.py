@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import json
 from pathlib import Path
 
 from pagedllm.entrypoints.usage import UsageError
@@ -50,6 +51,79 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="auto: requests default to the model's own sampling settings "
                         "(generation_config.json, GGUF general.sampling.*); vllm: ignore "
                         "them; DIR: a folder's generation_config.json (default: auto)")
+
+
+def add_http_args(parser: argparse.ArgumentParser) -> None:
+    """CORS (vLLM's names, off by default), the API docs, the connection's limits."""
+    g = parser.add_argument_group("HTTP")
+    g.add_argument("--allowed-origins", default=None, metavar="LIST",
+                   help='CORS: origins allowed to call the API, as JSON (\'["*"]\') or '
+                   "comma-separated (default: none, no CORS headers at all)")
+    g.add_argument("--allowed-methods", default='["*"]', metavar="LIST",
+                   help='CORS: allowed methods, with --allowed-origins (default: ["*"])')
+    g.add_argument("--allowed-headers", default='["*"]', metavar="LIST",
+                   help='CORS: allowed request headers, with --allowed-origins '
+                   '(default: ["*"])')
+    g.add_argument("--allow-credentials", action="store_true",
+                   help="CORS: allow cookies and Authorization, with --allowed-origins")
+    g.add_argument("--enable-fastapi-docs", action="store_true",
+                   help="serve Swagger UI at /docs and ReDoc at /redoc (off by default: "
+                   "their pages load JavaScript and CSS from a CDN, cdn.jsdelivr.net, so "
+                   "they stay blank offline)")
+    g.add_argument("--disable-fastapi-docs", action="store_true",
+                   help="as vLLM: no /openapi.json either (it is served by default)")
+    g.add_argument("--timeout-keep-alive", type=float, default=5.0, metavar="SECONDS",
+                   help="close a keep-alive connection idle this long (default: 5)")
+    g.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="a connection that has not sent a whole request head this long "
+                   "after connecting (or after its last response) is answered 408 and "
+                   "closed (default: 10)")
+    g.add_argument("--max-connections", type=int, default=1000, metavar="N",
+                   help="requests beyond N open connections are answered 503 (default: "
+                   "1000)")
+    g.add_argument("--h11-max-incomplete-event-size", type=int, default=16 << 10,
+                   metavar="BYTES", help="the largest request head; a larger one is "
+                   "answered 400 (default: 16384)")
+
+
+def _origin_list(flag: str, value: str) -> list[str]:
+    """A JSON list of strings (vLLM's form) or comma-separated values."""
+    if value.lstrip().startswith("["):
+        try:
+            items = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"{flag}: not a JSON list: {exc}") from None
+        if not all(isinstance(item, str) for item in items):
+            raise UsageError(f"{flag}: a JSON list of strings, got {value}")
+        return items
+    return [item.strip() for item in value.split(",") if item.strip()]
+
+
+def http_config(args: argparse.Namespace) -> dict:
+    """The ServerConfig fields of add_http_args' flags; a bad value is a UsageError."""
+    for flag, value in (("--timeout-keep-alive", args.timeout_keep_alive),
+                        ("--header-timeout", args.header_timeout)):
+        if not value > 0:
+            raise UsageError(f"{flag} must be a positive number of seconds, got {value}")
+    for flag, count in (("--max-connections", args.max_connections),
+                        ("--h11-max-incomplete-event-size",
+                         args.h11_max_incomplete_event_size)):
+        if count < 1:
+            raise UsageError(f"{flag} must be at least 1, got {count}")
+    if args.enable_fastapi_docs and args.disable_fastapi_docs:
+        raise UsageError("--enable-fastapi-docs and --disable-fastapi-docs contradict")
+    origins = (_origin_list("--allowed-origins", args.allowed_origins)
+               if args.allowed_origins is not None else None)
+    return dict(
+        allowed_origins=origins,
+        allowed_methods=_origin_list("--allowed-methods", args.allowed_methods),
+        allowed_headers=_origin_list("--allowed-headers", args.allowed_headers),
+        allow_credentials=args.allow_credentials,
+        docs=args.enable_fastapi_docs, openapi=not args.disable_fastapi_docs,
+        timeout_keep_alive=args.timeout_keep_alive, header_timeout=args.header_timeout,
+        max_connections=args.max_connections,
+        h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
+    )
 
 
 def resolve_model(args: argparse.Namespace) -> None:

@@ -32,7 +32,7 @@ LOG2E = 1.4426950408889634
 _LOG2E_K = tl.constexpr(LOG2E)
 
 # Launch configuration: keys per inner step, query rows per prefill tile, warps, pipeline
-# stages. Module constants so scripts/gpu_kernel_bench.py --tune and the tests can change them.
+# stages. Module constants so `pagedllm bench kernels --tune` and the tests can change them.
 DECODE_BLOCK_N = 64
 DECODE_NUM_WARPS = 4
 PREFILL_BLOCK_M = 64

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedllm.contract import SampleResult
 from pagedllm.kernels.metadata import host_to_device
 from pagedllm.sampling_params import SamplingParams, SamplingType
 
@@ -42,14 +43,6 @@ class SamplingRow:
     def output_len(self) -> int:
         return len(self.output_token_ids) if self.num_output_tokens is None \
             else self.num_output_tokens
-
-
-@dataclass
-class SampleResult:
-    token_id: int
-    logprob: float  # log_softmax of the raw model logits at token_id
-    rank: int  # 1 = most likely under the raw logits; 0 (not computed) unless logprobs asked
-    top_logprobs: dict[int, float]  # top `params.logprobs` tokens of the raw logits
 
 
 @dataclass

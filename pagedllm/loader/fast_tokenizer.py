@@ -89,11 +89,19 @@ class FastTokenizer:
             return None  # transformers would add the missing special token
         return cls(backend, config, _template_of(folder, config), folder)
 
+    @property
+    def added_tokens_decoder(self) -> dict[int, Any]:
+        """id -> AddedToken (content, special), as transformers' attribute of that name."""
+        return self.backend_tokenizer.get_added_tokens_decoder()
+
     def __len__(self) -> int:
         return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL (encode does not): a long prompt tokenized on the
+        # server's thread pool must not stall the engine thread, as with transformers.
+        batch = self.backend_tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
+        return batch[0].ids
 
     def decode(self, token_ids: int | list[int], skip_special_tokens: bool = False) -> str:
         if isinstance(token_ids, int):

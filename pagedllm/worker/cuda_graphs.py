@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 # GPU work per step hides the launch overhead.
 MAX_GRAPH_BATCH_SIZE = 512
 # Device memory of a captured graph itself (its nodes and launch state), beyond the pool its
-# tensors come from: about 7 MiB per graph of a 28-32 layer model, measured on an H200.
+# tensors come from, which grows with the layers it launches (docs/benchmarks.md).
 GRAPH_BYTES_PER_LAYER = 256 << 10
 PAD_SLOT = -1  # reshape_and_cache skips it
 PAD_SEQ_LEN = 1  # a padding row attends to one key of block 0

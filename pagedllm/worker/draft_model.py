@@ -29,7 +29,7 @@ from pagedllm.loader import initialize_dummy_weights, load_model_source
 from pagedllm.models.device_map import DeviceMap
 from pagedllm.models.registry import build_empty_model
 from pagedllm.sampling_params import SamplingType
-from pagedllm.worker.inputs import StepBatch
+from pagedllm.contract import StepBatch
 from pagedllm.worker.placement import place_model
 
 
@@ -111,8 +111,7 @@ class DraftProposer:
         for seq_id in batch.freed_seq_ids:
             computed.pop(seq_id, None)
             self._windows.pop(seq_id, None)
-        want = batch.num_draft_tokens
-        if not want:
+        if not batch.num_draft_tokens:
             # No row speculates (speculation off for this batch size): the draft catches up
             # later, in one chunk. Only what it must not miss: a recomputed sequence's
             # cache starts again from `start`.
@@ -120,7 +119,16 @@ class DraftProposer:
                 if computed.get(seq_id, 0) > start:
                     computed[seq_id] = start
             return {}
-        bs = self.block_size
+        logits, spec = self._catch_up(batch, seqs)
+        if not spec:
+            return {}
+        return self._draft(logits, spec)
+
+    def _catch_up(self, batch: StepBatch, seqs: dict) -> tuple[torch.Tensor | None, list]:
+        """The draft's forward over every row's known tokens it has not computed; returns
+        its logits at each row's last token and the speculative rows, (seq_id, logits row,
+        k, block table, SeqState)."""
+        computed, want, bs = self.computed, batch.num_draft_tokens, self.block_size
         ids, positions, slots, qlens, slens, tables, last = [], [], [], [], [], [], []
         spec: list[tuple[int, int, int, list[int], object]] = []  # (seq_id, row, k, table, st)
         for i, seq_id in enumerate(batch.seq_ids):
@@ -145,10 +153,14 @@ class DraftProposer:
                 self._windows[seq_id] = (end - 1, k)
             last.append(len(ids) - 1)
         if not ids:
-            return {}
-        logits = self._run(ids, positions, slots, qlens, slens, tables, last)
-        if not spec:
-            return {}
+            return None, []
+        return self._run(ids, positions, slots, qlens, slens, tables, last), spec
+
+    def _draft(self, logits: torch.Tensor, spec: list) -> dict[int, tuple[list[int],
+                                                                       torch.Tensor | None]]:
+        """Each speculative row's k proposals, one draft decode step per token after the
+        first (the rows asking for fewer drop out as they have theirs)."""
+        computed, bs = self.computed, self.block_size
         logits = logits[[row for _, row, _, _, _ in spec]]
         proposals: dict[int, list[int]] = {seq_id: [] for seq_id, *_ in spec}
         dists: dict[int, list[torch.Tensor]] = {seq_id: [] for seq_id, *_ in spec}

@@ -75,11 +75,9 @@ def estimate_activation_peak(
     output, the fused gate|up projection and the activation; for attention, the context one
     prompt chunk reads back from the cache (K and V of up to max_model_len tokens, gathered,
     then converted) and its boolean mask; then the fp32 logits with their log-softmax and
-    the sampler's copy. Measured on the CPU (SmolLM2-135M, 2048 tokens): 189 MiB for a
-    2048-token prompt with 256 logit rows, 194 MiB for a 2048-token chunk over 8192 tokens
-    of context; this bound: 265 MiB. At a quarter of those sizes a step measured 115 MiB:
-    part of a peak does not shrink with the step (workspaces MKL and OpenMP first touch, the
-    allocator's slack), hence RUNTIME_SLACK.
+    the sampler's copy. The bound stays above the peaks of real CPU forwards
+    (tests/test_memory.py). Part of a peak does not shrink with the step (workspaces MKL and
+    OpenMP first touch, the allocator's slack), hence RUNTIME_SLACK.
     """
     size = torch.tensor([], dtype=dtype).element_size()
     q = config.num_attention_heads * config.head_dim

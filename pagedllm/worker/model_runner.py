@@ -1,7 +1,7 @@
 """ModelRunner: turns a StepBatch into model forwards and samples the next tokens.
 
 It keeps the worker's own state of every sequence (SeqState: tokens, block table, sampling
-parameters, generator), built only from the batches' deltas (worker/inputs.py). Inputs are
+parameters, generator), built only from the batches' deltas (pagedllm/contract.py). Inputs are
 gathered once per step on the host (FlatBatch), then either copied into a captured CUDA
 graph's static buffers (a decode step, see cuda_graphs.py) or built into
 PagedAttentionInputMetadata on the input device (eager; the model's forward copies it once
@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -30,7 +31,7 @@ from pagedllm.layers.token_bitmask import apply_token_bitmask
 from pagedllm.models.device_map import DeviceMap
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.cuda_graphs import DecodeCUDAGraphs
-from pagedllm.worker.inputs import StepBatch, StepResult
+from pagedllm.contract import StepBatch, StepResult
 
 
 @dataclass(slots=True)
@@ -174,7 +175,7 @@ class PendingStep:
 
     def wait(self) -> StepResult:
         if self._copy is not None:
-            self._result.sampled = self._copy.get()
+            self._result.set_packed(self._copy.get().numpy())
         return self._result
 
 
@@ -242,19 +243,19 @@ class DecodeWindow(PendingStep):
         """last_samples() would not block."""
         return bool(self._copies) and self._copies[-1].ready()
 
-    def last_samples(self) -> torch.Tensor:
-        """The latest sub-step's packed samples on the host, [samples, 3 + 2k] (a stepped
+    def last_samples(self) -> np.ndarray:
+        """The latest sub-step's sampled token ids on the host, int64 [samples] (a stepped
         window only: the others come back once, at wait())."""
         if not self._copies:
             raise ValueError("no sub-step of this window has sampled with a token bitmask yet")
-        return self._copies[-1].get()
+        return self._copies[-1].get()[:, 0].numpy().astype(np.int64)
 
     def wait(self) -> StepResult:
         if self.awaits_bitmask:
             raise ValueError("the step waits for its token bitmask (sample_with_bitmask)")
         if self._done is not None:
             return self._done.wait()
-        self._result.sampled = torch.stack([c.get() for c in self._copies])
+        self._result.set_packed(torch.stack([c.get() for c in self._copies]).numpy())
         return self._result
 
 
@@ -348,17 +349,8 @@ class ModelRunner:
             first = len(b.input_ids)
             prompt_len = len(st.prompt_token_ids)
             proposals = spec.get(seq_id) if spec else None
-            if proposals is not None:
-                b.input_ids += st.token_slice(start, end - len(proposals))
-                b.input_ids += proposals
-            elif end <= prompt_len + len(st.output_token_ids):
-                b.input_ids += st.token_slice(start, end)
-            else:
-                if last_index is None:
-                    last_index = self._last_sample_index()
-                b.from_last_samples.append((first, self._pending_input(
-                    seq_id, start, chunk, prompt_len + len(st.output_token_ids), last_index)))
-                b.input_ids.append(0)
+            last_index = self._gather_input_ids(b, seq_id, st, start, chunk, proposals,
+                                                last_index)
             b.positions += range(start, end)
             b.slot_mapping += slots_for(table, start, end, bs)
             b.query_lens.append(chunk)
@@ -394,6 +386,26 @@ class ModelRunner:
                 )))
         b.logits_indices = prompt_indices + sample_indices + spec_indices
         return b
+
+    def _gather_input_ids(self, b: FlatBatch, seq_id: int, st: SeqState, start: int, chunk: int,
+                          proposals: list[int] | None,
+                          last_index: dict[int, int] | None) -> dict[int, int] | None:
+        """A row's input ids into `b`: its known tokens (then its proposals), or the last
+        launched step's sample still on the device; returns `last_index`, made if needed."""
+        end = start + chunk
+        num_known = len(st.prompt_token_ids) + len(st.output_token_ids)
+        if proposals is not None:
+            b.input_ids += st.token_slice(start, end - len(proposals))
+            b.input_ids += proposals
+        elif end <= num_known:
+            b.input_ids += st.token_slice(start, end)
+        else:
+            if last_index is None:
+                last_index = self._last_sample_index()
+            b.from_last_samples.append((len(b.input_ids), self._pending_input(
+                seq_id, start, chunk, num_known, last_index)))
+            b.input_ids.append(0)
+        return last_index
 
     def _last_sample_index(self) -> dict[int, int]:
         """seq_id -> index of its (first) sample among the last launched step's samples."""
@@ -559,9 +571,6 @@ class ModelRunner:
             self.drafter.accepted({seq_id: n for (seq_id, _, _), n in zip(b.spec_rows, kept)})
         width = max(p.shape[1] for p in parts)
         return torch.cat([_widen(p, width) for p in parts])[None]
-
-    def execute(self, batch: StepBatch, kv_caches: list[torch.Tensor]) -> StepResult:
-        return self.launch(batch, kv_caches).wait()
 
     @staticmethod
     def _select_rows(hidden: torch.Tensor, indices: list[int]) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 Rank 0 runs the engine and a DriverWorker; every other rank runs `worker_loop`: a Worker
 holding its shard of the model and of the KV cache (its KV heads, the same block numbers),
-which applies each StepBatch rank 0 broadcasts (worker/inputs.py: plain data, pickled over
+which applies each StepBatch rank 0 broadcasts (pagedllm/contract.py: plain data, pickled over
 the gloo CPU group by broadcast_object_list) to its own copy of the per-sequence state and
 runs the same forward, joining the all-reduces of the sharded layers.
 Logits are all-gathered, so every rank samples the same tokens (same seeds, same global
@@ -36,7 +36,7 @@ import torch
 from pagedllm.distributed import parallel_state as ps
 from pagedllm.distributed.communication import broadcast_object
 from pagedllm.engine_args import EngineArgs
-from pagedllm.worker.inputs import StepBatch, StepResult
+from pagedllm.contract import StepBatch, StepResult
 from pagedllm.worker.model_runner import PendingStep
 from pagedllm.worker.worker import Worker, resolve_device
 

@@ -1,6 +1,6 @@
 """Worker: loads the model onto its devices, sizes the KV cache by profiling, and executes
 step batches (cache swaps/copies, then the forward and sampling). It reads nothing of the
-engine but the plain StepBatch (worker/inputs.py)."""
+engine but the plain StepBatch (pagedllm/contract.py)."""
 from __future__ import annotations
 
 import itertools
@@ -30,7 +30,7 @@ from pagedllm.worker.cuda_graphs import graphs_supported
 from pagedllm.worker.placement import (
     PlacementInputs, WeightSizes, check_weights_fit, describe, place_model, plan_auto,
 )
-from pagedllm.worker.inputs import StepBatch, StepResult
+from pagedllm.contract import StepBatch, StepResult, WorkerInfo
 from pagedllm.worker.model_runner import ModelRunner, PendingStep
 from pagedllm.worker.quantization import (
     describe_gguf, pack_gguf_modules, quantize_fp8, resolve_quantization,
@@ -91,43 +91,11 @@ class Worker:
         source = load_model_source(args.model, args.load_format, args.tokenizer)
         self.source_name = source.name
         self.source_path = source.path  # its own generation defaults are read from it
-        self.model_config = config = source.config
+        self.model_config = source.config
         self.tokenizer = source.tokenizer
-        device = resolve_device(args.device)
-        num_layers = config.num_hidden_layers
-        spec = (args.device_map or "").strip()
-        tp = ps.tp_size()
-        if ps.is_initialized():
-            device = tp_device(device, spec)
-            ps.check_tp_size(config, tp)
-            torch.manual_seed(args.seed)  # every rank samples the same tokens (unseeded rows)
-        # The KV cache holds this rank's KV heads only (all of them without tensor parallelism).
-        heads, kv_heads = ps.local_num_heads(config, tp)
-        self.kv_config = kv_config = replace(config, num_attention_heads=heads,
-                                             num_key_value_heads=kv_heads)
-        explicit_map = DeviceMap.parse(spec, num_layers) if spec and spec != "auto" else None
-        if explicit_map is not None:
-            device = explicit_map.input_device
-        self.dtype = resolve_dtype(args.dtype, device)
-        self.quantization = resolve_quantization(
-            args.quantization, source.load_format,
-            explicit_map.devices if explicit_map is not None else [device], args.dtype)
-        if ps.is_initialized():
-            self.quantization = None  # the sharded layers hold plain weights (EngineArgs checks)
-        self.max_model_len = resolve_max_model_len(args.max_model_len,
-                                                   config.max_position_embeddings)
-        if self.max_model_len > config.max_position_embeddings:  # allowed by the override
-            source.config = config = replace(config, max_position_embeddings=self.max_model_len)
-            self.model_config = config
-        # On the CPU, prompt batches of 2048 tokens keep the GEMMs near their best rate.
-        default_budget = 8192 if device.type == "cuda" else 2048
-        budget = args.max_num_batched_tokens or default_budget
-        if not args.enable_chunked_prefill:
-            budget = max(budget, self.max_model_len)
-        self.max_num_batched_tokens = budget
-        self.max_num_seqs = args.max_num_seqs
-        self.model = self._load_model(source, args, explicit_map or (
-            "auto" if spec == "auto" else DeviceMap.single(device, num_layers)))
+        device_map = self._resolve(args, source)
+        self.model = self._load_model(source, args, device_map)
+        config = self.model_config
         head = self.model.lm_head if self.model.lm_head is not None else self.model.embed_tokens
         self.logits_device = next(itertools.chain(head.parameters(), head.buffers())).device
         eos = list(config.eos_token_ids)
@@ -149,14 +117,60 @@ class Worker:
             self.weight_bytes += memory.module_bytes(draft)
         if graphs_supported(self.device_map.layer_devices, args.enforce_eager):
             self.runner.enable_cuda_graphs(self.max_num_seqs, self.max_model_len,
-                                           kv_heads, config.head_dim, self.dtype)
+                                           self.kv_config.num_key_value_heads, config.head_dim,
+                                           self.dtype)
+        self._init_kv_cache(args, draft)
+
+    def _resolve(self, args: EngineArgs, source) -> DeviceMap | str:
+        """Device, tensor-parallel shard, dtype, quantization, context and token budget;
+        returns where the model goes (a DeviceMap, or "auto" to be planned)."""
+        config = self.model_config
+        device = resolve_device(args.device)
+        num_layers = config.num_hidden_layers
+        spec = (args.device_map or "").strip()
+        tp = ps.tp_size()
+        if ps.is_initialized():
+            device = tp_device(device, spec)
+            ps.check_tp_size(config, tp)
+            torch.manual_seed(args.seed)  # every rank samples the same tokens (unseeded rows)
+        # The KV cache holds this rank's KV heads only (all of them without tensor parallelism).
+        heads, kv_heads = ps.local_num_heads(config, tp)
+        self.kv_config = replace(config, num_attention_heads=heads, num_key_value_heads=kv_heads)
+        explicit_map = DeviceMap.parse(spec, num_layers) if spec and spec != "auto" else None
+        if explicit_map is not None:
+            device = explicit_map.input_device
+        self.dtype = resolve_dtype(args.dtype, device)
+        self.quantization = resolve_quantization(
+            args.quantization, source.load_format,
+            explicit_map.devices if explicit_map is not None else [device], args.dtype)
+        if ps.is_initialized():
+            self.quantization = None  # the sharded layers hold plain weights (EngineArgs checks)
+        self.max_model_len = resolve_max_model_len(args.max_model_len,
+                                                   config.max_position_embeddings)
+        if self.max_model_len > config.max_position_embeddings:  # allowed by the override
+            source.config = replace(config, max_position_embeddings=self.max_model_len)
+            self.model_config = source.config
+        # On the CPU, prompt batches of 2048 tokens keep the GEMMs near their best rate.
+        default_budget = 8192 if device.type == "cuda" else 2048
+        budget = args.max_num_batched_tokens or default_budget
+        if not args.enable_chunked_prefill:
+            budget = max(budget, self.max_model_len)
+        self.max_num_batched_tokens = budget
+        self.max_num_seqs = args.max_num_seqs
+        return explicit_map or ("auto" if spec == "auto" else DeviceMap.single(device, num_layers))
+
+    def _init_kv_cache(self, args: EngineArgs, draft: nn.Module | None) -> None:
+        """Size the KV cache (profiled, or the override), allocate it (and the draft's, with
+        the same blocks), then capture the decode graphs over it."""
         # Every rank holds the same block numbers: the fewest any rank has room for.
         self.num_gpu_blocks = all_reduce_min(
             args.num_gpu_blocks_override or self._profile_num_blocks(args))
         if self.num_gpu_blocks < 1:
             raise ValueError("no memory is left for the KV cache: lower the batch limits or "
                              "give the cache more memory")
-        all_layers_block = bytes_per_block(kv_config, args.block_size, self.dtype, num_layers)
+        kv_config = self.kv_config
+        all_layers_block = bytes_per_block(kv_config, args.block_size, self.dtype,
+                                           kv_config.num_hidden_layers)
         if draft is not None:
             # The draft's cache has the same blocks: the budget pays for both per block.
             d = draft.config
@@ -171,17 +185,23 @@ class Worker:
             self.device_map,
         )
         if draft is not None:
-            from pagedllm.worker.draft_model import DraftProposer
-
-            d = draft.config
-            self.draft_cache_engine = CacheEngine(
-                d, args.block_size, self.num_gpu_blocks, self.num_cpu_blocks, self.dtype,
-                DeviceMap.single(self.device_map.input_device, d.num_hidden_layers))
-            self.runner.drafter = DraftProposer(draft, self.draft_cache_engine.gpu_cache,
-                                                args.block_size, self.device_map.input_device,
-                                                self.runner.sampler)
+            self._init_draft_cache(args, draft)
         if self.runner.graphs is not None:
             self.runner.graphs.capture(self.cache_engine.gpu_cache)
+        self._log_placement(args.block_size, all_layers_block)
+
+    def _init_draft_cache(self, args: EngineArgs, draft: nn.Module) -> None:
+        from pagedllm.worker.draft_model import DraftProposer
+
+        d = draft.config
+        self.draft_cache_engine = CacheEngine(
+            d, args.block_size, self.num_gpu_blocks, self.num_cpu_blocks, self.dtype,
+            DeviceMap.single(self.device_map.input_device, d.num_hidden_layers))
+        self.runner.drafter = DraftProposer(draft, self.draft_cache_engine.gpu_cache,
+                                            args.block_size, self.device_map.input_device,
+                                            self.runner.sampler)
+
+    def _log_placement(self, block_size: int, all_layers_block: int) -> None:
         groups = self.device_map.groups
         for line in describe(
             self.device_map, self.weight_sizes.per_group(self.device_map),
@@ -191,7 +211,7 @@ class Worker:
             logger.info(line)
         logger.info(
             "KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB); swap space %d blocks",
-            self.num_gpu_blocks, args.block_size, self.num_gpu_blocks * args.block_size,
+            self.num_gpu_blocks, block_size, self.num_gpu_blocks * block_size,
             self.num_gpu_blocks * all_layers_block / (1 << 30), self.num_cpu_blocks,
         )
 
@@ -275,9 +295,9 @@ class Worker:
     def _profile_num_blocks(self, args: EngineArgs) -> int:
         devices = self.device_map.devices
         if all(d.type == "cpu" for d in devices):
-            # A profiling forward of the largest batch took 5-10 s on 2 cores, and the high-
-            # water mark of the process' RSS measures it only roughly: the CPU takes the
-            # analytic bound, which covers what such a forward was measured to use.
+            # A profiling forward of the largest batch is slow on the CPU, and the high-water
+            # mark of the process' RSS measures it only roughly: the CPU takes the analytic
+            # bound, which covers what such a forward uses.
             peak = self._activation_peak()
             peaks = {d: peak for d in devices}
         else:
@@ -345,6 +365,19 @@ class Worker:
             self.runner.graphs.release()
             self.runner.graphs = None
 
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(
+            num_gpu_blocks=self.num_gpu_blocks,
+            num_cpu_blocks=self.num_cpu_blocks,
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            eos_token_ids=tuple(self.eos_token_ids),
+            on_cuda=self.device_map.input_device.type == "cuda",
+            defers_token_bitmask=self.defers_token_bitmask,
+            weight_bytes=self.weight_bytes,
+            source_name=self.source_name,
+        )
+
     # ---------------------------------------------------------------- execution
     def launch(self, batch: StepBatch) -> PendingStep:
         """Apply the batch's swaps and copy-on-write copies (in the order the scheduler
@@ -357,6 +390,3 @@ class Worker:
             self.draft_cache_engine.swap_in(batch.blocks_to_swap_in)
             self.draft_cache_engine.copy(batch.blocks_to_copy)
         return self.runner.launch(batch, self.cache_engine.gpu_cache)
-
-    def execute(self, batch: StepBatch) -> StepResult:
-        return self.launch(batch).wait()

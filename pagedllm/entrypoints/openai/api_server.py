@@ -22,9 +22,17 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from pagedllm.entrypoints.openai.auth import key_check, key_error
 from pagedllm.entrypoints.openai.body_limit import DEFAULT_MAX_REQUEST_BYTES, RequestBodyLimit
+from pagedllm.entrypoints.openai.http_protocol import (
+    DEFAULT_HEADER_TIMEOUT,
+    DEFAULT_MAX_CONNECTIONS,
+    http_protocol,
+)
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import (
     MESSAGE_ROLES,
@@ -68,6 +76,18 @@ class ServerConfig:
     reasoning_parser: str | None = None  # qwen3 | deepseek_r1: <think> text apart
     # Sampling values of requests that leave them unset (--generation-config).
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    # CORS, off unless origins are given (vLLM's --allowed-origins and friends).
+    allowed_origins: list[str] | None = None
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+    docs: bool = False  # /docs and /redoc (their pages load their assets from a CDN)
+    openapi: bool = True  # /openapi.json
+    # The connection's limits (seconds; uvicorn's and h11's where they have them).
+    timeout_keep_alive: float = 5.0
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    h11_max_incomplete_event_size: int = 16 << 10
 
 
 _ERRORS = {
@@ -118,14 +138,24 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig | None = None) -> Fas
         tokenizer.shutdown()
         await engine.shutdown()
 
-    app = FastAPI(title="pagedllm", lifespan=lifespan)
+    app = FastAPI(title="pagedllm", lifespan=lifespan,
+                  docs_url="/docs" if config.docs else None,
+                  redoc_url="/redoc" if config.docs else None,
+                  openapi_url="/openapi.json" if config.openapi else None)
     app.state.engine = engine
     app.state.metrics = metrics
     app.add_middleware(RequestBodyLimit, max_bytes=config.max_request_bytes)
+    app.add_middleware(HeadAsGet)
+    if config.allowed_origins:  # outermost: a preflight is answered before any check
+        app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins,
+                           allow_methods=config.allowed_methods,
+                           allow_headers=config.allowed_headers,
+                           allow_credentials=config.allow_credentials)
     _install_error_handlers(app)
     api_key = config.api_key.encode() if config.api_key is not None else None
     key = (401,) if api_key is not None else ()
 
+    @key_check
     async def check_api_key(request: Request) -> None:
         if api_key is None:
             return
@@ -168,7 +198,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig | None = None) -> Fas
     @keyed.post("/detokenize", responses=_documented(400, *key, 404, 413))
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         completion.check_model(body.model)
-        vocab_size = engine.engine.model_config.vocab_size
+        vocab_size = engine.vocab_size
         bad = [t for t in body.tokens if t >= vocab_size]
         if bad:
             raise OpenAIError(
@@ -277,11 +307,15 @@ def _install_error_handlers(app: FastAPI) -> None:
         return _error_response(exc)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error_response(_validation_to_openai(exc))
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error_response(await key_error(request) or _validation_to_openai(exc))
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400:  # a body FastAPI could not read: the key comes first
+            unauthorized = await key_error(request)
+            if unauthorized is not None:
+                return _error_response(unauthorized)
         kind = "invalid_request_error" if exc.status_code < 500 else "internal_server_error"
         response = _error_response(OpenAIError(str(exc.detail), exc.status_code, type=kind))
         response.headers.update(exc.headers or {})  # 405's Allow
@@ -353,6 +387,19 @@ def _field_path(loc: tuple) -> str:
     return ".".join(parts)
 
 
+class HeadAsGet:
+    """HEAD wherever GET is routed: the app serves a GET and the server (which still sees
+    HEAD) sends its headers without the body. FastAPI's routes answer HEAD with 405."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "HEAD":
+            scope = {**scope, "method": "GET"}
+        await self.app(scope, receive, send)
+
+
 def bind_socket(host: str, port: int) -> socket.socket:
     """Bind before loading the model, so a taken port fails fast (port 0: any free port)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -377,9 +424,14 @@ async def serve(
     """Serve the app on an already bound socket until interrupted."""
     import uvicorn
 
+    config = config or ServerConfig()
     app = build_app(engine, config)
-    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+    uvicorn_config = uvicorn.Config(
+        app, log_level=log_level, timeout_graceful_shutdown=5,
+        http=http_protocol(config.header_timeout, config.max_connections),
+        timeout_keep_alive=config.timeout_keep_alive,
+        h11_max_incomplete_event_size=config.h11_max_incomplete_event_size)
+    server = uvicorn.Server(uvicorn_config)
     host, port = sock.getsockname()[:2]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
 

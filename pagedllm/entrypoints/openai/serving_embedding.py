@@ -73,7 +73,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         self.check_model(request.model)
         try:
             params = PoolingParams(dimensions=request.dimensions)
-            params.check_dimensions(self.engine.engine.model_config.hidden_size,
+            params.check_dimensions(self.engine.hidden_size,
                                     self.model_name)
         except ValueError as exc:
             raise OpenAIError(str(exc), param="dimensions") from None
@@ -82,7 +82,7 @@ class OpenAIServingEmbedding(OpenAIServing):
             inputs = [inputs]
         token_ids = [await self.tokenizer.encode(x, param="input") if isinstance(x, str)
                      else x for x in inputs]
-        vocab = self.engine.engine.model_config.vocab_size
+        vocab = self.engine.vocab_size
         for i, ids in enumerate(token_ids):
             bad = next((t for t in ids if t >= vocab), None)
             if bad is not None:

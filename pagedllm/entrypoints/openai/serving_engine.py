@@ -226,7 +226,7 @@ class OpenAIServing:
                 structured_outputs=structured_outputs,
                 **{k: v for k, v in set_values.items() if v is not None},
             )
-            params.check_vocab(self.engine.engine.model_config.vocab_size)
+            params.check_vocab(self.engine.vocab_size)
         except ValueError as exc:
             raise OpenAIError(str(exc)) from None
         return params

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from pydantic import ValidationError
 
+from pagedllm.entrypoints.openai.auth import key_check, key_error
 from pagedllm.entrypoints.openai.protocol import (
     AssistantMessage,
     ChatCompletionRequest,
@@ -344,7 +345,7 @@ class AnthropicRoute(APIRoute):
             try:
                 return await handler(request)
             except RequestValidationError as exc:
-                error = to_error(exc)
+                error = await key_error(request) or to_error(exc)
             except OpenAIError as exc:
                 error = exc
             return JSONResponse(anthropic_error(error), status_code=error.status_code)
@@ -360,6 +361,7 @@ def messages_router(
     """The Messages API's routes, behind the key (x-api-key or Authorization: Bearer)."""
     serving = AnthropicServingMessages(chat)
 
+    @key_check
     async def check_key(request: Request) -> None:
         if api_key is None:
             return

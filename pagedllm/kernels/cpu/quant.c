@@ -647,35 +647,43 @@ typedef struct {
     float *d, *s;    /* [k / 32]: scale, and scale * sum of the block's q */
 } QuantRow;
 
+/* One block of 32 floats as integers of at most qmax in magnitude: q = round(x / d) with
+ * d = max|x| / qmax (0 for an all-zero block); returns d and the sum of the q in *sum. */
+static inline float quantize_block(const float *xb, float qmax, __m256i q[4], int32_t *sum) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[4], amax = _mm256_setzero_ps();
+    for (int t = 0; t < 4; t++) {
+        v[t] = _mm256_loadu_ps(xb + 8 * t);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[t]));
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    const float d = _mm_cvtss_f32(m) / qmax, id = d > 0.0f ? 1.0f / d : 0.0f;
+    for (int t = 0; t < 4; t++)
+        q[t] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[t], _mm256_set1_ps(id)),
+                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    const __m256i sum32 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]),
+                                           _mm256_add_epi32(q[2], q[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum32), _mm256_extracti128_si256(sum32, 1));
+    s4 = _mm_hadd_epi32(s4, s4);
+    s4 = _mm_hadd_epi32(s4, s4);
+    *sum = _mm_cvtsi128_si32(s4);
+    return d;
+}
+
 static void quantize_row_q16(const float *x, int64_t k, QuantRow r) {
     for (int64_t b = 0; b < k / 32; b++) {
-        const float *xb = x + 32 * b;
-        __m256 v[4], amax = _mm256_setzero_ps();
-        const __m256 sign = _mm256_set1_ps(-0.0f);
-        for (int t = 0; t < 4; t++) {
-            v[t] = _mm256_loadu_ps(xb + 8 * t);
-            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[t]));
-        }
-        __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-        m = _mm_max_ss(m, _mm_movehdup_ps(m));
-        const float d = _mm_cvtss_f32(m) / 32767.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
         __m256i q[4];
-        for (int t = 0; t < 4; t++)
-            q[t] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[t], _mm256_set1_ps(id)),
-                                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-        const __m256i sum32 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]),
-                                               _mm256_add_epi32(q[2], q[3]));
-        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum32), _mm256_extracti128_si256(sum32, 1));
-        s4 = _mm_hadd_epi32(s4, s4);
-        s4 = _mm_hadd_epi32(s4, s4);
+        int32_t sum;
+        const float d = quantize_block(x + 32 * b, 32767.0f, q, &sum);
         /* packs works within 128-bit lanes: restore the order with a 64-bit permute */
         for (int t = 0; t < 2; t++)
             _mm256_storeu_si256((__m256i *)(r.q + 32 * b + 16 * t),
                                 _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2 * t], q[2 * t + 1]),
                                                          0xD8));
         r.d[b] = d;
-        r.s[b] = d * (float)_mm_cvtsi128_si32(s4);
+        r.s[b] = d * (float)sum;
     }
 }
 
@@ -840,34 +848,17 @@ static void int_matmul(float *out, int64_t ldo, const float *x, int64_t ldx, int
 #define Q8_MAX_ROWS 64
 
 static void quantize_row_q8(const float *x, int64_t k, int8_t *q, float *d, float *s) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t b = 0; b < k / 32; b++) {
-        const float *xb = x + 32 * b;
-        __m256 v[4], amax = _mm256_setzero_ps();
-        for (int t = 0; t < 4; t++) {
-            v[t] = _mm256_loadu_ps(xb + 8 * t);
-            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[t]));
-        }
-        __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-        m = _mm_max_ss(m, _mm_movehdup_ps(m));
-        const float dx = _mm_cvtss_f32(m) / 127.0f, id = dx > 0.0f ? 1.0f / dx : 0.0f;
         __m256i i[4];
-        for (int t = 0; t < 4; t++)
-            i[t] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[t], _mm256_set1_ps(id)),
-                                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-        const __m256i sum32 = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]),
-                                               _mm256_add_epi32(i[2], i[3]));
-        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum32), _mm256_extracti128_si256(sum32, 1));
-        s4 = _mm_hadd_epi32(s4, s4);
-        s4 = _mm_hadd_epi32(s4, s4);
+        int32_t sum;
+        const float dx = quantize_block(x + 32 * b, 127.0f, i, &sum);
         /* the packs work within 128-bit lanes: a permute of 32-bit groups restores k order */
         const __m256i p16 = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]),
                                                _mm256_packs_epi32(i[2], i[3]));
         _mm256_storeu_si256((__m256i *)(q + 32 * b),
                             _mm256_permutevar8x32_epi32(p16, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
         d[b] = dx;
-        s[b] = dx * (float)_mm_cvtsi128_si32(s4);
+        s[b] = dx * (float)sum;
     }
 }
 

@@ -4,9 +4,9 @@ The engine sends a StepBatch per step: sequences the worker has not seen yet (on
 scheduled sequence the deltas since the worker last saw it (new token ids, block-table
 changes, how many tokens to compute), plus forks, freed sequences and cache ops. The worker
 keeps its own per-sequence state built from these (worker/model_runner.py: tokens, block
-table, sampling parameters, generator) and returns a StepResult: the sampled tokens and
-their logprobs in one host tensor. Both are picklable, so with tensor parallelism rank 0 can
-send the batch to every rank.
+table, sampling parameters, generator) and returns a StepResult: the sampled token ids and
+their logprobs as host arrays. Both are picklable, so with tensor parallelism rank 0 can
+send the batch to every rank. The worker describes itself once, in a WorkerInfo.
 
 The worker applies a batch in this order: new sequences, forks (a child copies its parent's
 state as it was before this batch's deltas), freed ids, each row's new tokens and table
@@ -16,15 +16,17 @@ A row's input tokens are its tokens [num_computed_tokens, num_computed_tokens +
 num_scheduled_tokens). Async scheduling may launch a step before the engine has seen the
 previous step's samples: then a decode row (one token) past the tokens the worker holds takes
 its input id from the sample the previous launched step drew for it, still on the device.
+
+This module is the ground floor: it imports no torch, so the engine's side of the seam (and
+anything that only reads results) can be read and tested without the worker.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-import torch
+import numpy as np
 
-from pagedllm.layers.sampler import SampleResult, unpack_sample
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -100,13 +102,17 @@ class StepBatch:
     def num_rows(self) -> int:
         return len(self.seq_ids)
 
-    @property
-    def has_cache_ops(self) -> bool:
-        return bool(self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy)
-
 
 # Per predicted prompt token: (logprob, rank, top-k logprobs).
 PromptLogprobs = list[tuple[float, int, dict[int, float]]]
+
+
+@dataclass
+class SampleResult:
+    token_id: int
+    logprob: float  # log_softmax of the raw model logits at token_id
+    rank: int  # 1 = most likely under the raw logits; 0 (not computed) unless logprobs asked
+    top_logprobs: dict[int, float]  # top `params.logprobs` tokens of the raw logits
 
 
 @dataclass
@@ -114,31 +120,115 @@ class StepResult:
     seq_ids: list[int] = field(default_factory=list)  # the sampled rows, in batch order
     num_samples: list[int] = field(default_factory=list)  # per row
     num_logprobs: list[int] = field(default_factory=list)  # top logprobs asked for, per row
-    # Host float64 [num_steps, sum(num_samples), 3 + 2k]: per sample [token_id, logprob,
-    # rank, k top ids, k top logprobs] (see layers/sampler.py).
-    sampled: torch.Tensor | None = None
+    # Per step and sample (the rows' num_samples in batch order), host arrays: the token id
+    # (int64), its logprob and rank [num_steps, samples]; the top alternatives' ids (int64)
+    # and logprobs [num_steps, samples, k], k the most any row asked for (a row reads the
+    # first num_logprobs of its own). None: nothing was sampled.
+    token_ids: np.ndarray | None = None
+    logprobs: np.ndarray | None = None
+    ranks: np.ndarray | None = None
+    top_token_ids: np.ndarray | None = None
+    top_logprobs: np.ndarray | None = None
     prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)  # by seq_id
     # Speculative rows: seq_id -> (tokens it gets this step, 1..k+1; proposals scored, k).
     # Such a row's num_samples entries are its k+1 positions in order, the first
     # num_spec_tokens of them the tokens to append (not forks).
     num_spec_tokens: dict[int, tuple[int, int]] = field(default_factory=dict)
-    # Pooling rows whose prompt is complete: seq_id -> the pooled vector, fp32 on the host
-    # (not normalized; layers/pooler.py).
-    pooled: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Pooling rows whose prompt is complete: seq_id -> the pooled vector, an fp32 host
+    # tensor (not normalized; layers/pooler.py).
+    pooled: dict[int, Any] = field(default_factory=dict)
 
     @property
     def num_steps(self) -> int:
-        return 0 if self.sampled is None else self.sampled.shape[0]
+        return 0 if self.token_ids is None else self.token_ids.shape[0]
+
+    def set_packed(self, packed: np.ndarray) -> None:
+        """The sampler's packed rows [num_steps, samples, 3 + 2k] (per sample: token id,
+        logprob, rank, k top ids, k top logprobs; layers/sampler.py) as the named arrays."""
+        k = (packed.shape[2] - 3) // 2
+        self.token_ids = packed[:, :, 0].astype(np.int64)
+        self.logprobs = np.ascontiguousarray(packed[:, :, 1])
+        self.ranks = packed[:, :, 2].astype(np.int64)
+        self.top_token_ids = packed[:, :, 3:3 + k].astype(np.int64)
+        self.top_logprobs = np.ascontiguousarray(packed[:, :, 3 + k:3 + 2 * k])
 
     def samples(self) -> list[dict[int, list[SampleResult]]]:
         """Per step: seq_id -> its samples (several only at a first best_of sample)."""
-        if self.sampled is None:
+        if self.token_ids is None:
             return []
+        token_ids, logprobs, ranks = (a.tolist() for a in (self.token_ids, self.logprobs,
+                                                           self.ranks))
+        top_ids, top_logprobs = self.top_token_ids.tolist(), self.top_logprobs.tolist()
         out = []
-        for step in self.sampled.tolist():
-            it = iter(step)
-            out.append({
-                seq_id: [unpack_sample(next(it), k) for _ in range(n)]
-                for seq_id, n, k in zip(self.seq_ids, self.num_samples, self.num_logprobs)
-            })
+        for step in range(self.num_steps):
+            index = 0
+            samples: dict[int, list[SampleResult]] = {}
+            for seq_id, n, k in zip(self.seq_ids, self.num_samples, self.num_logprobs):
+                samples[seq_id] = [SampleResult(
+                    token_ids[step][j], logprobs[step][j], ranks[step][j],
+                    dict(zip(top_ids[step][j][:k], top_logprobs[step][j][:k])) if k else {},
+                ) for j in range(index, index + n)]
+                index += n
+            out.append(samples)
         return out
+
+
+@dataclass
+class SpecStats:
+    """Speculative decoding since the engine started."""
+
+    num_draft_tokens: int = 0  # proposals scored
+    num_accepted_tokens: int = 0  # proposals accepted
+    num_verified_rows: int = 0  # rows verified (each also gets one token of the target's own)
+
+    def record(self, num_proposed: int, num_accepted: int) -> None:
+        self.num_draft_tokens += num_proposed
+        self.num_accepted_tokens += num_accepted
+        self.num_verified_rows += 1
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What the engine needs to know of the worker, decided once as the worker starts."""
+
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    eos_token_ids: tuple[int, ...]
+    on_cuda: bool  # the inputs live on a GPU (multi-step and async scheduling pay off)
+    # Constrained decode windows: masks handed over sub-step by sub-step (the single-process
+    # worker); False: a window with constrained rows is one step, masked at launch.
+    defers_token_bitmask: bool
+    weight_bytes: int  # the model's weights as stored (packed GGUF / FP8 count as such)
+    source_name: str  # the model's name, as the server answers to it by default
+
+
+class PendingStep(Protocol):
+    """A launched step. Its StepResult is ready at `wait()`. A decode window with
+    constrained rows (`awaits_bitmask`) first samples sub-step by sub-step: each sub-step's
+    masks come from the grammars advanced by the sub-step before's token ids."""
+
+    awaits_bitmask: bool  # sub-steps are left to sample (each needs sample_with_bitmask)
+
+    def wait(self) -> StepResult: ...
+
+    def sample_with_bitmask(self, token_bitmask: Any, rows: list[int]) -> None: ...
+
+    def last_samples_ready(self) -> bool: ...
+
+    def last_samples(self) -> np.ndarray: ...  # the latest sub-step's token ids, int64
+
+
+class Executor(Protocol):
+    """What the engine drives: the single-process worker or the tensor-parallel group
+    (worker/tp_worker.create_worker makes the one the arguments ask for)."""
+
+    model_config: Any  # the model's config (vocab_size, hidden_size)
+    tokenizer: Any  # None: the model has none (prompts are token ids)
+
+    def info(self) -> WorkerInfo: ...
+
+    def launch(self, batch: StepBatch) -> PendingStep: ...
+
+    def shutdown(self) -> None: ...

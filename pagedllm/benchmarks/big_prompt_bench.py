@@ -5,13 +5,12 @@ a prompt of --prompt-mb megabytes to one route; the stream is closed 20 tokens a
 request is answered. Printed per route: the stream's gaps before the big request (p50, max),
 its gaps while the big request was in flight (p50, max), and how the big request was answered.
 
-    python scripts/bench_big_prompt_itl.py                  # starts `pagedllm serve` from this repo
-    python scripts/bench_big_prompt_itl.py --repo /tmp/old  # ... from another checkout
-    python scripts/bench_big_prompt_itl.py --url http://127.0.0.1:8000 --api-key KEY
+    pagedllm bench big-prompt                   # starts `pagedllm serve` from this checkout
+    pagedllm bench big-prompt --repo /tmp/old   # ... from another checkout
+    pagedllm bench big-prompt --url http://127.0.0.1:8000 --api-key KEY
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -24,7 +23,9 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
+from pagedllm.entrypoints.usage import Parser
+
+REPO = Path(__file__).resolve().parents[2]  # the checkout holding pagedllm/
 ROUTES = {
     "completions": ("/v1/completions", lambda text: {"prompt": text, "max_tokens": 2}),
     "chat": ("/v1/chat/completions",
@@ -96,8 +97,8 @@ async def measure(url: str, headers: dict[str, str], route: str, text: str) -> d
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str]) -> int:
+    parser = Parser(prog="pagedllm bench big-prompt", description=__doc__.splitlines()[0])
     parser.add_argument("--url", help="a running server (default: start one)")
     parser.add_argument("--repo", type=Path, default=REPO,
                         help="the checkout whose server to start (default: this one)")
@@ -134,6 +135,3 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['big_status']:>6} in {r['big_seconds']:.2f} s")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

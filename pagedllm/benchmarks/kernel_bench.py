@@ -1,8 +1,10 @@
 """Check the Triton kernels on CUDA at realistic sizes, then time them.
 
-    .venv/bin/python scripts/gpu_kernel_bench.py            # checks + timings
-    .venv/bin/python scripts/gpu_kernel_bench.py --tune     # also sweep launch configurations
-    TRITON_INTERPRET=1 .venv/bin/python scripts/gpu_kernel_bench.py --smoke   # tiny, on CPU
+    pagedllm bench kernels            # checks + timings
+    pagedllm bench kernels --tune     # also sweep launch configurations
+    TRITON_INTERPRET=1 pagedllm bench kernels --smoke   # tiny, on CPU
+
+tests/gpu/test_kernel_checks.py asserts the checks; this prints them and the timings.
 
 Checks: bf16, head_dim 128, 32 query / 8 KV heads (Llama-3-8B shapes), block sizes 16 and 32,
 contexts up to 8k in shuffled blocks with NaN in every unused slot, against the torch
@@ -18,28 +20,24 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
+import triton
+import triton.testing
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import triton  # noqa: E402
-import triton.testing  # noqa: E402
-
-from pagedllm.kernels import triton_attention  # noqa: E402
-from pagedllm.kernels.reference import alibi_slopes, paged_attention, write_kv_cache  # noqa: E402
-from pagedllm.kernels.triton_attention import choose_num_splits, triton_paged_attention  # noqa: E402
-from pagedllm.kernels.triton_cache import triton_write_kv_cache  # noqa: E402
-from pagedllm.kernels.triton_ops import (  # noqa: E402
+from pagedllm.kernels import triton_attention
+from pagedllm.kernels.reference import alibi_slopes, paged_attention, write_kv_cache
+from pagedllm.kernels.triton_attention import choose_num_splits, triton_paged_attention
+from pagedllm.kernels.triton_cache import triton_write_kv_cache
+from pagedllm.kernels.triton_ops import (
     triton_rms_norm,
     triton_rotary_embedding,
     triton_silu_and_mul,
 )
-from pagedllm.kernels.metadata import PagedAttentionInputMetadata  # noqa: E402
+from pagedllm.entrypoints.usage import Parser
+from pagedllm.kernels.metadata import PagedAttentionInputMetadata
 
 H200_PEAK_GBPS = 4800.0
 # bf16 on the GPU; --smoke uses fp16 (the interpreter cannot run tl.dot on bf16).
@@ -386,13 +384,14 @@ def tune(device: str) -> None:
                 print(f"  prefill BLOCK_M={block_m:<4} BLOCK_N={block_n:<4} warps={warps} stages={stages}: {shown}")
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str]) -> int:
+    parser = Parser(prog="pagedllm bench kernels", description=__doc__,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tune", action="store_true", help="also sweep launch configurations")
     parser.add_argument("--checks-only", action="store_true", help="skip the timings")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes on CPU under TRITON_INTERPRET=1 (checks the script itself)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     global DTYPE
     if args.smoke:
@@ -425,6 +424,3 @@ def main() -> int:
             tune(device)
     return 1 if failed else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
