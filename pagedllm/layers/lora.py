@@ -56,10 +56,12 @@ _current: LoRARows | None = None
 
 
 @contextmanager
-def lora_rows(slots: torch.Tensor | list[int] | None) -> Iterator[LoRARows | None]:
-    """Set the per-row adapter slots for the forward run inside (None: base model only)."""
+def lora_rows(slots: LoRARows | torch.Tensor | list[int] | None) -> Iterator[LoRARows | None]:
+    """Set the per-row adapter slots for the forward run inside (None: base model only;
+    a LoRARows built once serves every forward of a multi-step window)."""
     global _current
-    previous, rows = _current, None if slots is None else LoRARows.build(slots)
+    previous = _current
+    rows = slots if slots is None or isinstance(slots, LoRARows) else LoRARows.build(slots)
     _current = rows if rows is not None and rows.groups else None
     try:
         yield rows
