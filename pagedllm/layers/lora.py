@@ -35,20 +35,24 @@ class LoRARows:
     """The adapter slot of each token row of one forward, grouped once for all layers."""
 
     slots: torch.Tensor  # [num_tokens] int64 on the CPU, -1 = the base model
-    groups: list[tuple[int, torch.Tensor]]  # (slot, its row indices), slots >= 0 only
-    _on_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = field(default_factory=dict)
+    # (slot, its row indices), slots >= 0 only; indices None: the slot has every row
+    groups: list[tuple[int, torch.Tensor | None]]
+    _on_device: dict[torch.device, list[tuple[int, torch.Tensor | None]]] = field(
+        default_factory=dict)
 
     @classmethod
     def build(cls, slots: torch.Tensor | list[int]) -> "LoRARows":
         slots = torch.as_tensor(slots, dtype=torch.long).cpu()
-        groups = [(int(s), (slots == s).nonzero().view(-1)) for s in slots.unique().tolist()
-                  if s >= 0]
-        return cls(slots, groups)
+        values = slots.unique().tolist()
+        if len(values) == 1:
+            return cls(slots, [(values[0], None)] if values[0] >= 0 else [])
+        return cls(slots, [(s, (slots == s).nonzero().view(-1)) for s in values if s >= 0])
 
-    def groups_on(self, device: torch.device) -> list[tuple[int, torch.Tensor]]:
+    def groups_on(self, device: torch.device) -> list[tuple[int, torch.Tensor | None]]:
         """The groups with their row indices on `device` (moved once per device)."""
         if device not in self._on_device:
-            self._on_device[device] = [(s, rows.to(device)) for s, rows in self.groups]
+            self._on_device[device] = [(s, None if rows is None else rows.to(device))
+                                       for s, rows in self.groups]
         return self._on_device[device]
 
 
@@ -91,12 +95,16 @@ class LoRALayer:
         x2 = x.reshape(-1, x.shape[-1])
         out2 = out.view(-1, out.shape[-1])
         for slot, index in rows.groups_on(x.device):
-            if not any(self.active[slot]):
-                continue
-            xs = x2.index_select(0, index)
-            delta = torch.cat([(xs @ a[slot].T) @ b[slot].T if on else
-                               xs.new_zeros(len(index), b.shape[1])
-                               for a, b, on in zip(self.lora_a, self.lora_b, self.active[slot])],
-                              dim=-1)
-            out2.index_add_(0, index, delta.to(out2.dtype))
+            xs = x2 if index is None else x2.index_select(0, index)
+            offset = 0
+            for a, b, on in zip(self.lora_a, self.lora_b, self.active[slot]):
+                size = b.shape[1]
+                if on:  # this part's rows of the output get (x A^T) B^T
+                    delta = ((xs @ a[slot].T) @ b[slot].T).to(out2.dtype)
+                    part = out2.narrow(1, offset, size)
+                    if index is None:
+                        part.add_(delta)
+                    else:
+                        part.index_add_(0, index, delta)
+                offset += size
         return out
