@@ -235,3 +235,91 @@ def test_bad_adapters_are_refused_by_name(llm, adapters, tmp_path):
         llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False, lora_request=[None])
     with pytest.raises(ValueError, match="lora_int_id must be an integer >= 1, got 0"):
         LoRARequest("zero", 0, a_path)
+
+
+KEY = "sk-lora-0123"
+
+
+@pytest.fixture(scope="module")
+def lora_server(adapters):
+    from tests.test_server import serve
+
+    a, b = adapters["a"][0].lora_path, adapters["b"][0].lora_path
+    yield from serve(["--dtype", "float32", "--kv-cache-memory", str(128 << 20),
+                      "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
+                      "--api-key", KEY, "--lora-modules", f"adapter-a={a}", f"adapter-b={b}"])
+
+
+def offline_text(llm, prompt: str, lora, max_tokens: int = 16) -> str:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    return llm.generate([prompt], params, use_tqdm=False, lora_request=lora)[0].outputs[0].text
+
+
+def test_server_streams_each_adapter_as_offline(lora_server, llm, adapters):
+    import asyncio
+
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=lora_server.url + "/v1", api_key=KEY, max_retries=0)
+    prompt = PROMPTS[1]
+
+    async def stream(model: str) -> str:
+        chunks = await client.completions.create(model=model, prompt=prompt, max_tokens=16,
+                                                 temperature=0.0, stream=True)
+        return "".join([c.choices[0].text async for c in chunks])
+
+    async def main() -> tuple[list[str], list]:
+        texts = await asyncio.gather(stream("adapter-a"), stream("adapter-b"))
+        return texts, (await client.models.list()).data
+
+    (text_a, text_b), models = asyncio.run(main())
+    assert text_a == offline_text(llm, prompt, adapters["a"][0])
+    assert text_b == offline_text(llm, prompt, adapters["b"][0])
+    assert text_a != text_b
+    base = models[0].id
+    cards = {m.id: m for m in models}
+    assert cards["adapter-a"].parent == base and cards["adapter-b"].parent == base
+    assert cards["adapter-a"].root == adapters["a"][0].lora_path
+
+
+def test_server_loads_and_unloads_adapters(lora_server, llm, adapters, tmp_path):
+    import httpx
+
+    url, auth = lora_server.url, {"Authorization": f"Bearer {KEY}"}
+    c_path = adapters["c"][0].lora_path
+
+    def post(path: str, body: dict, headers=auth) -> httpx.Response:
+        return httpx.post(url + path, json=body, headers=headers, timeout=300)
+
+    def complete(model: str) -> httpx.Response:
+        return post("/v1/completions", {"model": model, "prompt": PROMPTS[1],
+                                        "max_tokens": 16, "temperature": 0.0})
+
+    body = {"lora_name": "adapter-c", "lora_path": c_path}
+    assert post("/v1/load_lora_adapter", body, headers={}).status_code == 401
+    loaded = post("/v1/load_lora_adapter", body)
+    assert loaded.status_code == 200, loaded.text
+    assert loaded.text == "Success: LoRA adapter 'adapter-c' added successfully."
+    answer = complete("adapter-c")
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["text"] == offline_text(llm, PROMPTS[1],
+                                                               adapters["c"][0])
+    again = post("/v1/load_lora_adapter", body)
+    assert (again.status_code, again.json()["error"]["message"]) == (
+        400, "The lora adapter 'adapter-c' has already been loaded.")
+    bad = [({"lora_name": "gone", "lora_path": str(tmp_path / "nowhere")},
+            f"LoRA adapter 'gone': path {str(tmp_path / 'nowhere')!r} is not a directory"),
+           ({"lora_name": "wide", "lora_path": tiny_adapter(tmp_path / "wide", rank=16)},
+            "LoRA adapter 'wide' has rank 16, above max_lora_rank 8"),
+           ({"lora_name": "tiny", "lora_path": tiny_adapter(tmp_path / "tiny")},
+            "LoRA adapter 'tiny': tensor 'base_model.model.model.layers.0.self_attn.q_proj."
+            "lora_A.weight' has shape (8, 64), the base model needs (8, 576)")]
+    for request, message in bad:
+        refused = post("/v1/load_lora_adapter", request)
+        assert (refused.status_code, refused.json()["error"]["message"]) == (400, message)
+    unloaded = post("/v1/unload_lora_adapter", {"lora_name": "adapter-c"})
+    assert unloaded.status_code == 200, unloaded.text
+    assert complete("adapter-c").status_code == 404
+    missing = post("/v1/unload_lora_adapter", {"lora_name": "adapter-c"})
+    assert (missing.status_code, missing.json()["error"]["message"]) == (
+        404, "The lora adapter 'adapter-c' cannot be found.")

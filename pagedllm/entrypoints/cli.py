@@ -12,7 +12,7 @@ import sys
 import time
 
 from pagedllm.entrypoints.usage import EXIT_USAGE, Parser, UsageError
-from pagedllm.entrypoints import vllm_flags
+from pagedllm.entrypoints import lora_flags, vllm_flags
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="require `Authorization: Bearer KEY` on every route that touches "
                        "the model (/v1/*, /tokenize, /detokenize, /tokenizer_info); /health, "
                        "/ping, /version and /metrics stay open")
+    lora_flags.add_lora_args(serve)
     serve.add_argument("--metrics-need-key", action="store_true",
                        help="put /metrics behind --api-key too")
     serve.add_argument("--max-request-bytes", type=int, default=8 << 20,
@@ -189,6 +190,12 @@ def run_serve(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     _show_progress_logs()
     engine = AsyncLLMEngine(load_engine(args), log_stats=not args.disable_log_stats)
+    from pagedllm.entrypoints.openai.lora_routes import register_modules
+
+    try:
+        register_modules(engine.engine, args.lora_modules)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
     def announce(url: str) -> None:
         print(ready_message(url, engine.model_name, args.api_key), flush=True)
