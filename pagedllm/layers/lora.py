@@ -17,17 +17,22 @@ class: the no-LoRA path is one attribute test). The layer's A/B tensors are view
 adapter pool (pagedllm/lora/weights.py), one per fused part (q|k|v, gate|up), with the
 adapter's scale folded into B and ranks zero-padded to max_lora_rank.
 
-This torch path groups rows by slot (rows of the base skip it); it runs on any device and
-is the oracle for a fused kernel. It is not CUDA-graph capturable (the grouping is data
-dependent on the host).
+The torch path groups rows by slot (rows of the base skip it); it runs on any device and
+is the oracle of the Triton pair (kernels/triton_lora.py: shrink and expand, each row
+reading its slot from a device tensor), which CUDA inputs take unless
+PAGEDLLM_LORA_TRITON=0. Neither is in the decode CUDA graphs yet: a step with adapter rows
+runs eager (worker/model_runner.uses_graph).
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+
+USE_TRITON = os.environ.get("PAGEDLLM_LORA_TRITON", "1") != "0"
 
 
 @dataclass
@@ -47,6 +52,13 @@ class LoRARows:
         if len(values) == 1:
             return cls(slots, [(values[0], None)] if values[0] >= 0 else [])
         return cls(slots, [(s, (slots == s).nonzero().view(-1)) for s in values if s >= 0])
+
+    def slots_on(self, device: torch.device) -> torch.Tensor:
+        """The per-row slots on `device` (moved once per device)."""
+        key = ("slots", device)
+        if key not in self._on_device:
+            self._on_device[key] = self.slots.to(device)  # type: ignore[index]
+        return self._on_device[key]  # type: ignore[index]
 
     def groups_on(self, device: torch.device) -> list[tuple[int, torch.Tensor | None]]:
         """The groups with their row indices on `device` (moved once per device)."""
@@ -94,6 +106,9 @@ class LoRALayer:
             return out
         x2 = x.reshape(-1, x.shape[-1])
         out2 = out.view(-1, out.shape[-1])
+        if x.is_cuda and USE_TRITON:
+            self._triton(rows, x2.contiguous(), out2)
+            return out
         for slot, index in rows.groups_on(x.device):
             xs = x2 if index is None else x2.index_select(0, index)
             offset = 0
@@ -108,3 +123,14 @@ class LoRALayer:
                         part.index_add_(0, index, delta)
                 offset += size
         return out
+
+    def _triton(self, rows: LoRARows, x2: torch.Tensor, out2: torch.Tensor) -> None:
+        from pagedllm.kernels.triton_lora import lora_expand, lora_shrink
+
+        slots = rows.slots_on(x2.device)
+        used = [slot for slot, _ in rows.groups]
+        offset = 0
+        for part, (a, b) in enumerate(zip(self.lora_a, self.lora_b)):
+            if any(self.active[slot][part] for slot in used):
+                lora_expand(out2, lora_shrink(x2, a, slots), b, slots, offset)
+            offset += b.shape[1]
