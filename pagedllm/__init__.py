@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from pagedllm.entrypoints.llm import LLM
+    from pagedllm.lora.request import LoRARequest
     from pagedllm.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
     from pagedllm.pooling_params import PoolingParams
     from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -22,6 +23,7 @@ _EXPORTS = {
     "CompletionOutput": "pagedllm.outputs",
     "EmbeddingRequestOutput": "pagedllm.outputs",
     "PoolingParams": "pagedllm.pooling_params",
+    "LoRARequest": "pagedllm.lora.request",
 }
 
 __all__ = list(_EXPORTS)

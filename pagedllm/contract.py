@@ -54,6 +54,16 @@ class Fork:
     seed: int | None = None
 
 
+@dataclass(frozen=True)
+class LoRASlotLoad:
+    """An adapter the worker copies into a slot (from its host copy, or read from the path
+    when it has none: an adapter unloaded while requests still used it)."""
+
+    lora_int_id: int
+    lora_name: str
+    lora_path: str
+
+
 @dataclass
 class StepBatch:
     new_seqs: list[NewSequence] = field(default_factory=list)
@@ -91,6 +101,10 @@ class StepBatch:
     # accepted prefix plus one token of its own (StepResult.num_spec_tokens).
     spec_token_ids: dict[int, list[int]] = field(default_factory=dict)
     num_draft_tokens: dict[int, int] = field(default_factory=dict)
+    # LoRA: the adapter slot of each row (-1: the base model; empty: every row is the
+    # base's), and the adapters to copy into slots before the forward, (slot, LoRASlotLoad).
+    lora_slots: list[int] = field(default_factory=list)
+    lora_loads: list[tuple[int, "LoRASlotLoad"]] = field(default_factory=list)
 
     def add_row(self, seq_id: int, new_token_ids: list[int], num_computed_tokens: int,
                 num_scheduled_tokens: int, do_sample: bool) -> None:

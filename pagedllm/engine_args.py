@@ -128,6 +128,11 @@ class EngineArgs:
         None, 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_min": 1, "prompt_lookup_max": 4} or {"method": "draft_model", '
         '"model": PATH, "num_speculative_tokens": 4}; optional "disable_by_batch_size": N')
+    enable_lora: bool = option(
+        False, "serve LoRA adapters (PEFT format): requests name one (lora_request, or the "
+        "server's model field) and rows of different adapters share a step")
+    max_loras: int = option(1, "adapters in the device's slots at once (more in flight wait)")
+    max_lora_rank: int = option(16, "the largest adapter rank accepted")
     pooling: str = option(
         "last", "how embeddings (/v1/embeddings, LLM.embed) pool the prompt's final hidden "
         "states: the last token's, or their mean", POOLING_TYPES)
@@ -181,10 +186,20 @@ class EngineArgs:
         if self.pooling not in POOLING_TYPES:
             raise ValueError(f"pooling must be one of {', '.join(POOLING_TYPES)}, "
                              f"got {self.pooling!r}")
+        if self.enable_lora:
+            self._check_lora()
         if not self.distributed_timeout > 0:
             raise ValueError(
                 f"distributed_timeout must be a positive number of seconds, got "
                 f"{self.distributed_timeout!r}")
+
+    def _check_lora(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora and tensor_parallel_size > 1 cannot be combined (yet)")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

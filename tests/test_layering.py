@@ -2,7 +2,7 @@
 imports itself back through others (docs/architecture.md draws the layers).
 
     ground floor (config, outputs, sampling_params, engine_args)
-      < distributed < kernels < layers < models < loader < worker < engine < entrypoints < benchmarks
+      < distributed < kernels < layers < models < loader < lora < worker < engine < entrypoints < benchmarks
 
 Every `import` counts, wherever it is written: at the top of a module, inside a function
 (lazy), or under `if TYPE_CHECKING:`. A package may import its own modules freely (but
@@ -21,7 +21,7 @@ GROUND_FLOOR = {"pagedllm.config", "pagedllm.outputs", "pagedllm.sampling_params
                 "pagedllm.pooling_params",
                 "pagedllm.structured_grammar",
                 "pagedllm.engine_args"}
-PACKAGES = ["distributed", "kernels", "layers", "models", "loader", "worker", "engine", "entrypoints",
+PACKAGES = ["distributed", "kernels", "layers", "models", "loader", "lora", "worker", "engine", "entrypoints",
             "benchmarks"]
 
 # (importer, imported) module-name prefixes that may import upward, and why. Keep it short.

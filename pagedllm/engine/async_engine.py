@@ -19,6 +19,7 @@ from pagedllm.outputs import RequestOutput
 if TYPE_CHECKING:
     from pagedllm.engine_args import EngineArgs
     from pagedllm.engine.llm_engine import EngineStats, LLMEngine
+    from pagedllm.lora import LoRARequest
     from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -140,8 +141,10 @@ class AsyncLLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
-        """Queue a request; raises the engine's ValueError here, before any output."""
+        """Queue a request (under a LoRA adapter: `lora_request`); raises the engine's
+        ValueError here, before any output."""
         if self.fatal_error is not None:
             raise EngineDeadError(f"the engine failed: {self.fatal_error}", fatal=True)
         self._ensure_loop()
@@ -153,7 +156,7 @@ class AsyncLLMEngine:
         arrival = time.monotonic()
         try:
             await self.run_in_engine_thread(
-                self.engine.add_request, request_id, prompt, params, arrival
+                self.engine.add_request, request_id, prompt, params, arrival, lora_request
             )
         except asyncio.CancelledError:
             # The add may still complete on the engine thread: abort it behind the add.

@@ -59,6 +59,12 @@ class BlockTokens:
         return True
 
 
+def root_block(seq: Sequence) -> BlockTokens | None:
+    """The parent of a sequence's first block: None for the base model; under a LoRA
+    adapter a block of its id alone, so chains (and hits) never cross adapters."""
+    return BlockTokens(None, (-seq.lora_int_id,)) if seq.lora_int_id else None
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -142,7 +148,7 @@ class BlockSpaceManager:
         bs = self.block_size
         num_full = (len(tokens) - 1) // bs
         hits: list[PhysicalTokenBlock] = []
-        parent = None
+        parent = root_block(seq)
         for i in range(num_full):
             block = self.gpu_allocator.lookup(BlockTokens(parent, tokens[i * bs: (i + 1) * bs]))
             if block is None:
@@ -174,7 +180,8 @@ class BlockSpaceManager:
             return
         num_full = min(seq.num_computed_tokens // self.block_size, len(table))
         for i in range(len(hashes), num_full):
-            content = BlockTokens(hashes[-1] if hashes else None, self._block_tokens(seq, i))
+            content = BlockTokens(hashes[-1] if hashes else root_block(seq),
+                                  self._block_tokens(seq, i))
             block = table[i]
             # The same content may already be cached in another block (two identical
             # prompts computed side by side); this one then just stays unregistered, and

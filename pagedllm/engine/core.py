@@ -18,6 +18,8 @@ from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.contract import Executor, SpecStats, StepBatch, StepHandle, WorkerInfo
 from pagedllm.engine.batch_builder import StepBatchBuilder
 from pagedllm.engine.grammar import GrammarSteps
+from pagedllm.engine.lora_adapters import LoRAAdapters
+from pagedllm.engine.lora_slots import LoRASlots
 from pagedllm.engine.outputs import OutputProcessor, ignored_output
 from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
 from pagedllm.engine.sequence import SequenceGroup, SequenceStatus
@@ -109,6 +111,9 @@ class EngineCore:
             self.scheduler, self.batch_builder, self.structured, self.tokenizer,
             self.eos_token_ids, self.max_model_len, self._seq_ids, self.spec_stats)
         self.detokenizer = self.output_processor.detokenizer
+        self.loras = LoRAAdapters(self.worker, args.enable_lora)
+        self.lora_slots = self.scheduler.lora_slots = \
+            LoRASlots(args.max_loras) if args.enable_lora else None
 
     def _make_scheduler(self, args: EngineArgs, info: WorkerInfo) -> Scheduler:
         self.cache_config = CacheConfig(
@@ -202,6 +207,8 @@ class EngineCore:
         """Build and execute a step; `defer_masks`: launched ahead (async scheduling), its
         constrained rows' masks filled once the previous step's tokens are known."""
         batch = self.batch_builder.build(out)
+        if self.lora_slots is not None:
+            self.lora_slots.fill(batch, (s.seq_group for s in out.scheduled_seq_groups))
         self.grammar.fill_at_launch(batch)
         return _InFlight(out, self.worker.execute(batch), batch)
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pagedllm.engine.core import EngineCore, _unfreeze_heap  # noqa: F401 (tests reset it)
 from pagedllm.engine.sequence import Sequence, SequenceGroup
 from pagedllm.engine_args import EngineArgs
+from pagedllm.lora import LoRARequest
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
@@ -63,12 +64,18 @@ class LLMEngine(EngineCore):
         prompt: str | list[int],
         params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """A generation request, or with PoolingParams a pooling one: its prompt's forward
         (chunked as any prompt's) gives one vector (RequestOutput.embedding), no token is
-        sampled, and its blocks are freed as the vector comes out."""
+        sampled, and its blocks are freed as the vector comes out. `lora_request`: the
+        adapter it runs under (registered here if new; enable_lora must be on)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if lora_request is not None:
+            if isinstance(params, PoolingParams):
+                raise ValueError("lora_request is not supported with pooling requests (yet)")
+            self.loras.add(lora_request)
         if isinstance(params, PoolingParams):
             return self._add_pooling_request(request_id, prompt, params, arrival_time)
         prompt_text, ids = self._tokenize(prompt)
@@ -80,6 +87,8 @@ class LLMEngine(EngineCore):
         seq = Sequence(next(self._seq_ids), ids, self.block_size)
         self.detokenizer.start(seq)
         group = SequenceGroup(request_id, [seq], params, prompt_text, arrival_time)
+        if lora_request is not None:
+            group.lora_request, seq.lora_int_id = lora_request, lora_request.lora_int_id
         if params.structured_outputs is not None:
             self.structured.start(seq.seq_id, group)
         self.requests[request_id] = group

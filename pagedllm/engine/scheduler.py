@@ -24,10 +24,14 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.engine.block_manager import AllocStatus, BlockSpaceManager
 from pagedllm.engine.sequence import FINISHED_STATUSES, Sequence, SequenceGroup, SequenceStatus
+
+if TYPE_CHECKING:
+    from pagedllm.engine.lora_slots import LoRASlots
 
 RUNNING = SequenceStatus.RUNNING
 
@@ -107,6 +111,8 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._groups: dict[str, SequenceGroup] = {}  # request_id -> group
         self._group_of_seq: dict[int, SequenceGroup] = {}
+        # LoRA (engine/lora_slots.py): a group is admitted only once its adapter has a slot.
+        self.lora_slots: LoRASlots | None = None
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -484,7 +490,7 @@ class Scheduler:
             seqs = group.get_seqs(SequenceStatus.SWAPPED)
             chunk = self._chunk_size(seqs, self._budget_left(out))
             slots = self._seq_slots(group)
-            if chunk == 0 or num_seqs + slots > max_seqs:
+            if chunk == 0 or num_seqs + slots > max_seqs or not self._lora_ready(group):
                 break
             self.swapped.popleft()
             out.blocks_to_swap_in += self.block_manager.swap_in(group)
@@ -518,12 +524,17 @@ class Scheduler:
                 break
             if not self.scheduler_config.enable_chunked_prefill and seq.get_len() > budget:
                 break
+            if not self._lora_ready(group):
+                break  # every adapter slot is in use by running groups: wait for one
             self.waiting.popleft()
             self.block_manager.allocate(group)
             seq.status = SequenceStatus.RUNNING
             self.running.append(group)
             num_seqs += slots
             self._add_scheduled(out, group, [seq], self._chunk_size([seq], budget))
+
+    def _lora_ready(self, group: SequenceGroup) -> bool:
+        return self.lora_slots is None or self.lora_slots.acquire(group, self.running)
 
     # ---- preemption ------------------------------------------------------------------------
 

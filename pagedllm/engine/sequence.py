@@ -47,6 +47,10 @@ FINISHED_STATUSES = frozenset({
 class Sequence:
     """The token ids of one sample and how many of them already have KV in the cache."""
 
+    # The LoRA adapter it runs under (0: the base model): the prefix cache keys its blocks
+    # by it, so the same tokens under two adapters never share KV.
+    lora_int_id = 0
+
     def __init__(self, seq_id: int, prompt_token_ids: list[int], block_size: int) -> None:
         self.seq_id = seq_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -124,6 +128,7 @@ class Sequence:
         child.output_logprobs = list(self.output_logprobs)
         child.cumulative_logprob = self.cumulative_logprob
         child.status = self.status
+        child.lora_int_id = self.lora_int_id
         child.num_computed_tokens = self.num_computed_tokens
         child.output_text = self.output_text
         child.tokens = list(self.tokens) if self.tokens is not None else None
@@ -142,6 +147,8 @@ class Sequence:
 
 class SequenceGroup:
     """One request: its prompt and all its samples (n, or best_of while sampling)."""
+
+    lora_request = None  # the LoRARequest it runs under (None: the base model)
 
     def __init__(
         self,

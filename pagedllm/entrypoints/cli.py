@@ -17,7 +17,7 @@ import time
 from typing import NoReturn
 
 from pagedllm.entrypoints.usage import EXIT_USAGE, Parser, UsageError
-from pagedllm.entrypoints import serve_models, vllm_flags
+from pagedllm.entrypoints import lora_flags, serve_models, vllm_flags
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="require `Authorization: Bearer KEY` on every route that touches "
                        "the model (/v1/*, /tokenize, /detokenize, /tokenizer_info); /health, "
                        "/ping, /version and /metrics stay open")
+    lora_flags.add_lora_args(serve)
     serve.add_argument("--metrics-need-key", action="store_true",
                        help="put /metrics behind --api-key too")
     serve.add_argument("--max-request-bytes", type=int, default=8 << 20,
@@ -259,6 +260,7 @@ def _load_engines(namespaces: list[argparse.Namespace], log_stats: bool) -> list
             if len(namespaces) == 1:
                 raise
             raise UsageError(f"model {serve_models.label(ns)}: {exc}") from None
+        _register_lora_modules(engine, getattr(ns, "lora_modules", None))
         served = getattr(engine, "served_model_names", [engine.model_name])
         taken = seen.intersection(served)
         if taken:
@@ -267,6 +269,18 @@ def _load_engines(namespaces: list[argparse.Namespace], log_stats: bool) -> list
         seen.update(served)
         engines.append(AsyncLLMEngine(engine, log_stats=log_stats))
     return engines
+
+
+def _register_lora_modules(engine, modules) -> None:
+    """--lora-modules into a loaded engine; a bad adapter is a usage error naming it."""
+    if not modules:
+        return
+    from pagedllm.entrypoints.openai.lora_routes import register_modules
+
+    try:
+        register_modules(engine, modules)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def ready_message(url: str, model: str, api_key: str | None, example: str | None = None

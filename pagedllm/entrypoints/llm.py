@@ -17,6 +17,7 @@ from typing import Any, TypedDict, Union
 from pagedllm.engine_args import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.chat_utils import apply_chat_template
+from pagedllm.lora import LoRARequest
 from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -77,11 +78,13 @@ class LLM:
         prompts: PromptType | Seq[PromptType],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order.
 
         sampling_params=None uses SamplingParams() as vLLM does: temperature 1.0 (random
-        sampling) and at most 16 new tokens.
+        sampling) and at most 16 new tokens. lora_request: the LoRA adapter every prompt
+        runs under, or one per prompt (None: the base model); needs enable_lora=True.
         """
         prompts = [_engine_prompt(p, i) for i, p in enumerate(_prompt_list(prompts))]
         if sampling_params is None:
@@ -101,10 +104,11 @@ class LLM:
             raise ValueError(
                 f"got {len(params)} sampling params for {len(prompts)} prompts"
             )
+        loras = _lora_list(lora_request, len(prompts))
         request_ids = [f"offline-{next(self._ids)}" for _ in prompts]
         try:
-            for rid, prompt, p in zip(request_ids, prompts, params):
-                self.engine.add_request(rid, prompt, p)
+            for rid, prompt, p, lora in zip(request_ids, prompts, params, loras):
+                self.engine.add_request(rid, prompt, p, lora_request=lora)
         except ValueError:
             self.engine.abort_request(request_ids)
             raise
@@ -144,6 +148,7 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Format each conversation with the chat template, then generate (vLLM's LLM.chat).
 
@@ -152,7 +157,8 @@ class LLM:
         with newlines). chat_template: a Jinja template replacing the model's own.
         continue_final_message: continue the last message instead of starting a new one
         (needs add_generation_prompt=False). tools and chat_template_kwargs go to the
-        template (e.g. chat_template_kwargs={"enable_thinking": False}).
+        template (e.g. chat_template_kwargs={"enable_thinking": False}). lora_request: as
+        in generate, one adapter or one per conversation.
 
         Defaults as in vLLM: sampling_params=None is SamplingParams(), temperature 1.0 and at
         most 16 new tokens; pass SamplingParams(temperature=0, max_tokens=...) for a
@@ -172,7 +178,7 @@ class LLM:
             )
             for c in conversations
         ]
-        return self.generate(token_ids, sampling_params, use_tqdm)
+        return self.generate(token_ids, sampling_params, use_tqdm, lora_request)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
@@ -223,6 +229,23 @@ def engine_args(model: str | None = None, **kwargs: Any) -> EngineArgs:
         raise TypeError(f"LLM() got an unsupported engine argument {unknown[0]!r}; supported: "
                         f"{', '.join(sorted(known - {'model'}))} (see help(LLM))")
     return EngineArgs(model=model, **kwargs)
+
+
+def _lora_list(lora_request: Any, num_prompts: int) -> list[LoRARequest | None]:
+    """lora_request as one entry per prompt (one request, or a list of one per prompt)."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    if isinstance(lora_request, (list, tuple)):
+        loras = list(lora_request)
+        bad = next((r for r in loras if r is not None and not isinstance(r, LoRARequest)), None)
+        if bad is not None:
+            raise TypeError(f"lora_request must be a LoRARequest or a list of them, got a "
+                            f"list holding {type(bad).__name__}")
+        if len(loras) != num_prompts:
+            raise ValueError(f"got {len(loras)} lora requests for {num_prompts} prompts")
+        return loras
+    raise TypeError(f"lora_request must be a LoRARequest or a list of them, got "
+                    f"{type(lora_request).__name__}")
 
 
 def _is_token_ids(value: Any) -> bool:

@@ -12,9 +12,13 @@ The LM head stays bf16. On the CPU (tests) the second form runs with torch ops.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from pagedllm.layers.lora import LoRALayer
 
 # Batches of up to this many rows (at most 16, the kernel's block) take the weight-only
 # kernel; PAGEDLLM_FP8_SMALL_BATCH=0 sends every batch to torch._scaled_mm (to compare the
@@ -44,6 +48,8 @@ def fp8_matmul_reference(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Te
 class FP8Linear(nn.Module):
     """y = x . W^T (+ bias) with W in FP8 E4M3 and per-output-channel scales."""
 
+    lora: "LoRALayer | None" = None  # adapters attached by pagedllm/lora (layers/lora.py)
+
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor,
                  bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -71,7 +77,8 @@ class FP8Linear(nn.Module):
                 out = self._scaled_mm(*triton_fp8.quantize_rows(rows), x.dtype)
         if self.bias is not None:
             out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
+        out = out.reshape(*x.shape[:-1], self.out_features)
+        return out if self.lora is None else self.lora(x, out)
 
     def _scaled_mm(self, xq: torch.Tensor, xs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return torch._scaled_mm(xq, self.qweight.t(), scale_a=xs, scale_b=self.weight_scale,

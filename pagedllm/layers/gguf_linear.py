@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -24,6 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.kernels.cpu import quant
+
+if TYPE_CHECKING:
+    from pagedllm.layers.lora import LoRALayer
 
 # Above this many rows a call dequantizes and uses BLAS (measured on the default model's
 # Q4_1 shapes, one core: the packed kernel is 1.1-1.4x ahead at 64 rows, even to 1.2x
@@ -216,9 +220,13 @@ class GGUFLinear(PackedMatrix):
     def shard_weight(self, name: str, tensor: torch.Tensor, part: int | None) -> torch.Tensor:
         return tensor
 
+    lora: "LoRALayer | None" = None  # adapters attached by pagedllm/lora (layers/lora.py)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.matmul(x)
-        return out if self.bias is None else out.add_(self.bias)
+        if self.bias is not None:
+            out = out.add_(self.bias)
+        return out if self.lora is None else self.lora(x, out)
 
 
 class GGUFEmbedding(PackedMatrix):

@@ -28,6 +28,7 @@ from torch import nn
 from pagedllm.distributed import parallel_state as ps
 from pagedllm.distributed.communication import all_gather
 from pagedllm.layers import dispatch
+from pagedllm.layers.lora import LoRALayer
 
 logger = logging.getLogger(__name__)
 
@@ -93,13 +94,15 @@ class Linear(nn.Linear):
     """nn.Linear that uses a packed copy of its weight once `prepack()` made one."""
 
     packed: torch.Tensor | None = None
+    lora: "LoRALayer | None" = None  # adapters attached by pagedllm/lora (layers/lora.py)
 
     def prepack(self) -> bool:
         self.packed = pack_for_mkl(self.weight)
         return self.packed is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed)
+        out = linear(x, self.weight, self.bias, self.packed)
+        return out if self.lora is None else self.lora(x, out)
 
 
 def prepack_model(model: nn.Module) -> int:

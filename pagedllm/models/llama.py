@@ -19,6 +19,7 @@ from pagedllm.layers.attention import PagedAttention
 from pagedllm.layers.parallel_linear import (
     ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding,
 )
+from pagedllm.layers.lora import lora_active
 from pagedllm.layers.norms import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.models.base import CausalLM
@@ -141,7 +142,8 @@ class LlamaForCausalLM(CausalLM):
     def run_layers(self, layers: range, state: tuple, kv_caches: list[torch.Tensor],
                    meta: PagedAttentionInputMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, residual = state
-        if self.fused_decode_enabled and layers == range(len(self.layers)):
+        # the fused decode bypasses the projection modules, so not with adapter rows
+        if self.fused_decode_enabled and layers == range(len(self.layers)) and not lora_active():
             fused = self.cpu_decode.run(hidden, residual, kv_caches, meta)
             if fused is not None:
                 return fused

@@ -23,6 +23,7 @@ from pagedllm.kernels.metadata import (
     PagedAttentionInputMetadata, host_to_device, pad_block_tables, slots_for,
 )
 from pagedllm.layers import pooler
+from pagedllm.layers.lora import LoRARows, lora_rows
 from pagedllm.layers.sampler import (
     SampledBatch, Sampler, SamplingRow, compute_prompt_logprobs, make_generator,
 )
@@ -284,6 +285,9 @@ class ModelRunner:
         # The draft model of speculative decoding (worker/draft_model.py), when configured.
         self.drafter = None
         self.graphs: DecodeCUDAGraphs | None = None  # set by enable_cuda_graphs
+        # The launched step's LoRA token rows (worker/lora_manager.py; None: base only),
+        # for every forward of the step (a decode window's sub-steps have the same rows).
+        self.lora_rows: LoRARows | None = None
         self.seqs: dict[int, SeqState] = {}
         # The last launched step's samples (async scheduling reads a row's input id from
         # them): the sampled seq ids, samples per row, and the last step's token ids.
@@ -463,7 +467,8 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- execution
     def uses_graph(self, b: FlatBatch) -> bool:
-        return self.graphs is not None and self.graphs.can_run(
+        # The graphs hold the base model only (the LoRA path groups rows on the host).
+        return self.graphs is not None and self.lora_rows is None and self.graphs.can_run(
             b.max_query_len, len(b.input_ids), len(b.query_lens)
         )
 
@@ -476,7 +481,8 @@ class ModelRunner:
             return self.graphs.run(ids, b.positions, b.slot_mapping, b.seq_lens, b.block_tables,
                                    b.padded_block_tables)
         inp = self.prepare_input(b, input_ids)
-        return self.model(inp.input_ids, kv_caches, inp.metadata)
+        with lora_rows(self.lora_rows):
+            return self.model(inp.input_ids, kv_caches, inp.metadata)
 
     @torch.inference_mode()
     def launch(self, batch: StepBatch, kv_caches: list[torch.Tensor]) -> PendingStep:

@@ -31,6 +31,7 @@ from pagedllm.worker.placement import (
     PlacementInputs, WeightSizes, check_weights_fit, describe, place_model, plan_auto,
 )
 from pagedllm.contract import GrammarMasks, StepBatch, StepResult, WorkerInfo
+from pagedllm.worker.lora_manager import WorkerLoRA
 from pagedllm.worker.model_runner import ModelRunner, PendingStep
 from pagedllm.worker.quantization import (
     describe_gguf, pack_gguf_modules, quantize_fp8, resolve_quantization,
@@ -105,6 +106,8 @@ class Worker:
         self.block_size = args.block_size
         self.runner = ModelRunner(self.model, args.block_size, self.eos_token_ids,
                                   self.device_map.layer_devices, self.logits_device)
+        self.lora = WorkerLoRA(self.model, args.max_loras, args.max_lora_rank) \
+            if args.enable_lora else None
         self.draft_cache_engine = None
         spec = args.speculative_config
         draft = None
@@ -397,9 +400,21 @@ class Worker:
             self.draft_cache_engine.swap_out(batch.blocks_to_swap_out)
             self.draft_cache_engine.swap_in(batch.blocks_to_swap_in)
             self.draft_cache_engine.copy(batch.blocks_to_copy)
+        if self.lora is not None:
+            self.runner.lora_rows = self.lora.apply(batch)
         return self.runner.launch(batch, self.cache_engine.gpu_cache)
 
     def sample(self, handle: PendingStep, masks: GrammarMasks | None) -> StepResult:
         """Executor.sample: a decode window's sub-steps under their masks, then the samples
         on the host."""
         return handle.sample(masks)
+
+    def add_lora(self, request) -> None:
+        """Check a LoRA adapter against the model and keep it ready (worker/lora_manager)."""
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled (enable_lora=True, --enable-lora)")
+        self.lora.add(request)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        if self.lora is not None:
+            self.lora.remove(lora_int_id)

@@ -55,7 +55,7 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from pagedllm.entrypoints.openai import vllm_routes
+from pagedllm.entrypoints.openai import lora_routes, vllm_routes
 from pagedllm.entrypoints.openai.protocol_anthropic import MESSAGES_UNION_TAGS
 from pagedllm.entrypoints.openai.protocol_responses import RESPONSES_UNION_TAGS
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -177,7 +177,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig | None = None) -> Fas
     @keyed.get("/v1/models", responses=_documented(*key))
     async def list_models() -> ModelList:
         return ModelList(data=[ModelCard(id=name, max_model_len=engine.max_model_len)
-                               for name in vllm_routes.served_names(engine)])
+                               for name in vllm_routes.served_names(engine)]
+                         + lora_routes.model_cards(engine))
 
     @keyed.post("/v1/completions", response_model=None,
                 responses=_documented(400, *key, 404, 413, ok=CompletionResponse, stream=True))
@@ -217,6 +218,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig | None = None) -> Fas
     add_responses_routes(keyed, chat, _respond, _cancel_on_disconnect,
                          _documented(400, *key, 404, 413))
     app.include_router(keyed)
+    app.include_router(lora_routes.build_router(engine, check_api_key))
     app.include_router(vllm_routes.build_router(engine, check_api_key, api_key is not None))
     app.include_router(messages_router(chat, api_key, _respond, _cancel_on_disconnect,
                                        _validation_to_openai))

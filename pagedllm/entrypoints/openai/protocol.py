@@ -467,6 +467,8 @@ class ModelCard(OpenAIBaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=now)
     owned_by: str = "pagedllm"
+    root: str | None = None  # a LoRA adapter's path
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
 
 

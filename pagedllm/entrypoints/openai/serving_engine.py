@@ -8,6 +8,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -26,6 +27,12 @@ from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 T = TypeVar("T")
 MAX_CHECKED_GRAMMARS = 256
 logger = logging.getLogger(__name__)
+
+
+# The LoRA adapter the request being served runs under (openai/lora_routes.py): set where
+# its `model` is checked, read where its prompts are queued; a context variable, so each
+# request's task sees its own.
+request_lora: ContextVar[Any] = ContextVar("request_lora", default=None)
 
 
 class OpenAIError(Exception):
@@ -176,7 +183,12 @@ class OpenAIServing:
         return mode
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.model_names:
+        """404 for a name that is neither the model's nor a LoRA adapter's; an adapter's
+        name makes the request run under it (`request_lora`, read by add_requests)."""
+        loras = getattr(self.engine.engine, "loras", None)
+        lora = loras.by_name.get(model) if loras is not None and model is not None else None
+        request_lora.set(lora)
+        if model is not None and model not in self.model_names and lora is None:
             raise OpenAIError(
                 f"The model `{model}` does not exist.", 404, param="model", code="model_not_found"
             )
@@ -257,8 +269,8 @@ class OpenAIServing:
                 if server_default and params.max_tokens is not None and room < params.max_tokens:
                     prompt_params = params.clone()
                     prompt_params.max_tokens = max(1, room)
-                streams.append(await self.engine.add_request(prompt, prompt_params,
-                                                             f"{request_id}-{i}"))
+                streams.append(await self.engine.add_request(
+                    prompt, prompt_params, f"{request_id}-{i}", lora_request=request_lora.get()))
         except ValueError as exc:
             for stream in streams:
                 stream.abort()
