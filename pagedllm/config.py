@@ -262,3 +262,28 @@ class SpeculativeConfig:
                              f"{', '.join(map(repr, SPECULATIVE_METHODS))}, got {self.method!r}")
         if self.disable_by_batch_size is not None:
             positive("disable_by_batch_size", self.disable_by_batch_size)
+
+
+# The batch limits when the user sets neither, by the device (as vLLM v1's defaults): a GPU
+# with this much memory or more runs bigger batches; below it, and on the CPU, the others.
+# On the CPU, prompt batches of 2048 tokens keep the GEMMs near their best rate.
+LARGE_GPU_BYTES = 70 << 30
+BATCH_LIMITS = {"large_gpu": (1024, 16384), "gpu": (256, 8192), "cpu": (256, 2048)}
+
+
+def default_batch_limits(device_type: str, device_memory: int | None) -> tuple[int, int]:
+    """(max_num_seqs, max_num_batched_tokens) for a device of `device_type` ("cuda" |
+    "cpu") with `device_memory` bytes (a GPU's total; None on the CPU)."""
+    if device_type != "cuda":
+        return BATCH_LIMITS["cpu"]
+    large = device_memory is not None and device_memory >= LARGE_GPU_BYTES
+    return BATCH_LIMITS["large_gpu" if large else "gpu"]
+
+
+def bound_by_cache(max_num_seqs: int, max_num_batched_tokens: int, num_blocks: int,
+                   block_size: int, floor_tokens: int) -> tuple[int, int]:
+    """Default limits no larger than the KV cache holds: a running sequence holds a block
+    at least, and a step's tokens are all in the cache (never under `floor_tokens`, the
+    context a step must take whole without chunked prefill)."""
+    return (max(1, min(max_num_seqs, num_blocks)),
+            max(floor_tokens, min(max_num_batched_tokens, num_blocks * block_size)))

@@ -211,6 +211,7 @@ class WorkerInfo:
     num_cpu_blocks: int
     max_model_len: int
     max_num_batched_tokens: int
+    max_num_seqs: int
     eos_token_ids: tuple[int, ...]
     on_cuda: bool  # the inputs live on a GPU (multi-step and async scheduling pay off)
     # Constrained decode windows: masks handed over with `sample`, sub-step by sub-step (the

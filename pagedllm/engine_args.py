@@ -89,10 +89,13 @@ class EngineArgs:
     seed: int = option(0, "seed of the random weights of --load-format dummy")
     block_size: int = option(16, "tokens per KV-cache block")
     enable_prefix_caching: bool = option(True, "reuse the KV of prompt prefixes already computed")
-    max_num_seqs: int = option(256, "most sequences in one step")
+    max_num_seqs: int | None = option(
+        None, "most sequences in one step (default: 256; 1024 on a GPU of 70 GiB or more, "
+        "unless max_num_batched_tokens is set; never more than the KV cache holds)")
     max_num_batched_tokens: int | None = option(
         None, "most tokens in one step, e.g. 4096 or 4k (default: 2048 on the CPU, 8192 on "
-        "CUDA)", parse=human_readable_int)
+        "CUDA, 16384 on a GPU of 70 GiB or more unless max_num_seqs is set; never more "
+        "than the KV cache holds)", parse=human_readable_int)
     max_model_len: int | None = option(
         None, "context length, e.g. 4096, 32k (32000) or 32K (32768) (default: the model's)",
         parse=human_readable_int)

@@ -31,7 +31,8 @@ class FakeExecutor:
                  max_model_len: int = 256, eos_token_id: int = VOCAB - 1) -> None:
         self._info = WorkerInfo(
             num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=0, max_model_len=max_model_len,
-            max_num_batched_tokens=max_model_len, eos_token_ids=(eos_token_id,),
+            max_num_batched_tokens=max_model_len, max_num_seqs=256,
+            eos_token_ids=(eos_token_id,),
             on_cuda=on_cuda, defers_token_bitmask=True, weight_bytes=0, source_name="fake")
         self.tokens: dict[int, list[int]] = {}  # what the engine sent, then what was drawn
         self.last: dict[int, int] = {}  # each sequence's last token, sampled ones included

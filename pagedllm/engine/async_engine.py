@@ -14,6 +14,8 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from pagedllm.engine.state import engine_state
+from pagedllm.engine.structured_output import new_matcher
 from pagedllm.outputs import RequestOutput
 
 if TYPE_CHECKING:
@@ -124,6 +126,22 @@ class AsyncLLMEngine:
     @property
     def hidden_size(self) -> int:
         return self.engine.model_config.hidden_size
+
+    @property
+    def served_model_names(self) -> list[str]:
+        """Every --served-model-name; responses carry the first (model_name)."""
+        return list(self.engine.served_model_names)
+
+    def validate_grammar(self, grammar: str) -> None:
+        """ValueError naming the problem when a compiled grammar fails against the engine's
+        tokenizer under its limits, or allows no output at all (its first mask is computed:
+        call it off the event loop)."""
+        new_matcher(self.engine.structured.ll, grammar)
+
+    async def engine_state(self) -> dict[str, Any]:
+        """The scheduler's queues, the KV block pool and counters, read between two steps
+        (engine/state.py; docs/engine_state.md)."""
+        return await self.run_in_engine_thread(lambda: engine_state(self.engine.scheduler))
 
     @property
     def num_in_flight(self) -> int:

@@ -119,7 +119,7 @@ class EngineCore:
         self.cache_config = CacheConfig(
             block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching)
         self.scheduler_config = SchedulerConfig(
-            max_num_seqs=args.max_num_seqs,
+            max_num_seqs=info.max_num_seqs,
             max_num_batched_tokens=info.max_num_batched_tokens,
             max_model_len=info.max_model_len,
             enable_chunked_prefill=args.enable_chunked_prefill,

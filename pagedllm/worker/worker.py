@@ -12,7 +12,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from pagedllm.config import resolve_dtype
+from pagedllm.config import bound_by_cache, default_batch_limits, resolve_dtype
 from pagedllm.distributed import parallel_state as ps
 from pagedllm.distributed.communication import all_reduce_min
 from pagedllm.engine_args import EngineArgs
@@ -156,14 +156,32 @@ class Worker:
         if self.max_model_len > config.max_position_embeddings:  # allowed by the override
             source.config = replace(config, max_position_embeddings=self.max_model_len)
             self.model_config = source.config
-        # On the CPU, prompt batches of 2048 tokens keep the GEMMs near their best rate.
-        default_budget = 8192 if device.type == "cuda" else 2048
-        budget = args.max_num_batched_tokens or default_budget
+        self._batch_limits(args, device)
+        return explicit_map or ("auto" if spec == "auto" else DeviceMap.single(device, num_layers))
+
+    def _batch_limits(self, args: EngineArgs, device: torch.device) -> None:
+        """max_num_seqs and max_num_batched_tokens: the user's, else by the device; sized by
+        the GPU's memory when the user set neither (then bounded by the KV cache, once it
+        is sized: `_bound_batch_limits`)."""
+        self.limits_by_gpu = device.type == "cuda" and args.max_num_seqs is None and \
+            args.max_num_batched_tokens is None
+        memory = torch.cuda.get_device_properties(device).total_memory \
+            if self.limits_by_gpu else None
+        seqs, tokens = default_batch_limits(device.type, memory)
+        self.max_num_seqs = args.max_num_seqs or seqs
+        budget = args.max_num_batched_tokens or tokens
         if not args.enable_chunked_prefill:
             budget = max(budget, self.max_model_len)
         self.max_num_batched_tokens = budget
-        self.max_num_seqs = args.max_num_seqs
-        return explicit_map or ("auto" if spec == "auto" else DeviceMap.single(device, num_layers))
+
+    def _bound_batch_limits(self, args: EngineArgs) -> None:
+        if self.limits_by_gpu:
+            self.max_num_seqs, self.max_num_batched_tokens = bound_by_cache(
+                self.max_num_seqs, self.max_num_batched_tokens, self.num_gpu_blocks,
+                args.block_size, 0 if args.enable_chunked_prefill else self.max_model_len)
+        logger.info("batch limits: max_num_seqs %d, max_num_batched_tokens %d (%s)",
+                    self.max_num_seqs, self.max_num_batched_tokens,
+                    "sized by the GPU" if self.limits_by_gpu else "set or the defaults")
 
     def _init_kv_cache(self, args: EngineArgs, draft: nn.Module | None) -> None:
         """Size the KV cache (profiled, or the override), allocate it (and the draft's, with
@@ -197,6 +215,7 @@ class Worker:
         if self.runner.graphs is not None:
             self.runner.graphs.capture(self.cache_engine.gpu_cache)
         self._log_placement(args.block_size, all_layers_block)
+        self._bound_batch_limits(args)
 
     def _init_draft_cache(self, args: EngineArgs, draft: nn.Module) -> None:
         from pagedllm.worker.draft_model import DraftProposer
@@ -381,6 +400,7 @@ class Worker:
             num_cpu_blocks=self.num_cpu_blocks,
             max_model_len=self.max_model_len,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
             eos_token_ids=tuple(self.eos_token_ids),
             on_cuda=self.device_map.input_device.type == "cuda",
             defers_token_bitmask=self.defers_token_bitmask,

@@ -15,7 +15,6 @@ from typing import Any, TypeVar
 from pydantic import BaseModel
 
 from pagedllm.engine.async_engine import AsyncLLMEngine, RequestStream
-from pagedllm.engine.structured_output import new_matcher
 from pagedllm.outputs import Logprob
 from pagedllm.entrypoints.openai.protocol import SamplingFields
 from pagedllm.entrypoints.reasoning import (
@@ -131,7 +130,7 @@ class OpenAIServing:
         # Grammars that passed check_grammar (most recent last), so it runs once each.
         self._checked_grammars: OrderedDict[str, None] = OrderedDict()
         # Every --served-model-name; responses carry the first (model_name).
-        self.model_names = list(getattr(engine.engine, "served_model_names", [self.model_name]))
+        self.model_names = engine.served_model_names
         self.log_requests = False
         self.sampling_defaults: dict[str, Any] = {}
         self.reasoning_parser: str | None = None  # --reasoning-parser (qwen3 | deepseek_r1)
@@ -143,9 +142,8 @@ class OpenAIServing:
         constraint = params.structured_outputs
         if constraint is None or constraint.compiled in self._checked_grammars:
             return
-        structured = self.engine.engine.structured
         try:
-            await self.tokenizer.run(lambda: new_matcher(structured.ll, constraint.compiled))
+            await self.tokenizer.run(lambda: self.engine.validate_grammar(constraint.compiled))
         except ValueError as exc:
             message = str(exc).removeprefix("structured output: ")
             raise OpenAIError(f"{param}: {message}" if param else str(exc), param=param) from None
