@@ -23,6 +23,7 @@ WORKLOAD_HELP = {
     "kernels": "Triton kernel checks at Llama-3-8B shapes on CUDA, then their timings",
     "fp8": "FP8 linears at Llama-3-8B shapes on CUDA: errors and times vs bf16",
     "tp-allreduce": "share of a tensor-parallel decode step's GPU time in NCCL kernels",
+    "render": "not a workload: the Markdown of --out JSON files, for docs/benchmarks.md",
 }
 
 STANDALONE = {
@@ -33,4 +34,5 @@ STANDALONE = {
     "kernels": "kernel_bench",
     "fp8": "fp8_bench",
     "tp-allreduce": "tp_allreduce_bench",
+    "render": "render",
 }
