@@ -81,3 +81,24 @@ def test_a_file_that_is_no_bench_output_is_refused_by_name(tmp_path, capsys):
     assert render.main([str(bad)]) == 2
     assert capsys.readouterr().err == (
         "error: notes.json: not a `pagedllm bench ... --out` file (no workload and runs)\n")
+
+
+def test_load_rows_render_with_their_spread_and_target(tmp_path, capsys):
+    from pagedllm.benchmarks import load_bench
+
+    def row(name: str, **medians: float) -> dict:
+        r = {"name": name, **{k: {"median_s": v, "min_s": v - 0.1, "max_s": v + 0.1}
+                              for k, v in medians.items()}}
+        return {**r, **load_bench._target(r)}
+
+    out = tmp_path / "load.json"
+    out.write_text(json.dumps({"workload": "load", "date": "2026-12-03T12:00:00Z",
+                               "command": "pagedllm bench load --repeats 3",
+                               "rows": [row("LLM()", process=5.0, ready=1.9)],
+                               "machine": {"cores": 2, "load_before": 1.0, "load_after": 1.5}}))
+    assert render.main([str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "### `load`: LLM(), `pagedllm --help`" in text
+    assert rows_of(text)[1] == ["LLM()", "5.00 (4.90-5.10)", "-", "-", "-", "1.90 (1.80-2.00)",
+                                "-", "ready <= 2.0: met"]
+    assert "load average 1.0 before, 1.5 after" in text

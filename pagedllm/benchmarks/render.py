@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pagedllm.benchmarks import WORKLOAD_HELP
 from pagedllm.entrypoints.usage import EXIT_USAGE, Parser, UsageError
 
 SERVE_COLUMNS = [("load", "load", "{}"), ("requests", "requests", "{}"),
@@ -84,9 +85,15 @@ def load_table(data: dict) -> list[str]:
     def spread(s: dict | None) -> str:
         return "-" if s is None else f"{s['median_s']:.2f} ({s['min_s']:.2f}-{s['max_s']:.2f})"
 
-    rows = [[r["name"], *(spread(r.get(k)) for k, _ in LOAD_KEYS)] for r in data["rows"]]
+    def target(r: dict) -> str:
+        t = r.get("target")
+        return "-" if t is None else \
+            f"{t['key']} <= {t['seconds']:.1f}: {'met' if t['met'] else 'MISSED'}"
+
+    rows = [[r["name"], *(spread(r.get(k)) for k, _ in LOAD_KEYS), target(r)]
+            for r in data["rows"]]
     m = data.get("machine", {})
-    return table(["", *(h for _, h in LOAD_KEYS)], rows) + [
+    return table(["", *(h for _, h in LOAD_KEYS), "target (median)"], rows) + [
         "", "- median (min-max) of fresh processes; load average "
         f"{m.get('load_before', 0):.1f} before, {m.get('load_after', 0):.1f} after"]
 
@@ -113,7 +120,7 @@ def section(data: dict, name: str) -> str:
     if workload is None or ("runs" not in data and "rows" not in data):
         raise UsageError(f"{name}: not a `pagedllm bench ... --out` file (no workload and runs)")
     body = {"serve": serve_table, "load": load_table}.get(workload, workload_table)(data)
-    title = data.get("description") or f"pagedllm bench {workload}"
+    title = data.get("description") or WORKLOAD_HELP.get(workload, f"pagedllm bench {workload}")
     command = data.get("command") or f"pagedllm bench {workload}"
     if workload == "serve" and "command" not in data and data.get("serve_args"):
         command += " " + " ".join(data["serve_args"])
