@@ -252,6 +252,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--no-peer", dest="peer", action="store_false",
                         help="skip transformers' load")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    parser.add_argument("--out", default=None, metavar="FILE.json",
+                        help="write the rows, date, command and host to this file as JSON")
     try:
         args = parser.parse_args(argv)
         for name in ("repeats", "max_tokens"):
@@ -269,6 +271,12 @@ def main(argv: list[str]) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     load = {"cores": os.cpu_count(), "load_before": before, "load_after": os.getloadavg()[0]}
+    if args.out:
+        from pagedllm.benchmarks import machine
+
+        report = {"workload": "load", **machine.stamp(argv, "load"), "rows": rows,
+                  "machine": load}
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     if args.json:
         print(json.dumps({"rows": rows, "machine": load}, indent=2))
     else:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from pagedllm.benchmarks import machine
 from pagedllm.entrypoints.usage import Parser, UsageError
 
 PROMPTS = [
@@ -263,6 +264,14 @@ def _runs(args: argparse.Namespace, url: str) -> list[dict]:
     return runs
 
 
+def out_report(args: argparse.Namespace, argv: list[str], serve_args: list[str],
+               runs: list[dict]) -> dict:
+    """What --out writes: the runs (one per rate) with their load, date, command and host."""
+    return {"workload": "serve", **machine.stamp(argv, "serve"), "url": args.url,
+            "serve_args": serve_args, "max_tokens": args.max_tokens,
+            "num_prompts": args.num_requests, "seed": args.seed, "runs": runs}
+
+
 def main(argv: list[str]) -> int:
     args, serve_args = build_parser().parse_known_args(argv)
     for name in ("num_clients", "num_requests", "max_tokens"):
@@ -288,9 +297,6 @@ def main(argv: list[str]) -> int:
             proc.terminate()
             proc.wait(timeout=30)
     if args.out:
-        report = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                  "url": args.url, "serve_args": serve_args, "max_tokens": args.max_tokens,
-                  "num_prompts": args.num_requests, "seed": args.seed, "runs": runs}
         with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+            json.dump(out_report(args, argv, serve_args, runs), f, indent=2)
     return 0 if all(run["failed"] == 0 for run in runs) else 1

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.benchmarks import WORKLOAD_HELP, cpu_targets, peers
+from pagedllm.benchmarks import WORKLOAD_HELP, cpu_targets, machine, peers
 from pagedllm.benchmarks.scheduler_bench import run_scheduler_bench
 from pagedllm.config import DTYPES, KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS, resolve_dtype
 from pagedllm.entrypoints.chat_utils import apply_chat_template
@@ -1006,15 +1006,17 @@ def environment(args: argparse.Namespace) -> dict[str, Any]:
     return env
 
 
-def report_dict(report: Report, args: argparse.Namespace) -> dict[str, Any]:
+def report_dict(report: Report, args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                 if k not in ("out", "plot", "workload", "min_input_len", "max_input_len",
                              "min_tokens", "max_tokens")}
     return {
         "workload": report.workload,
         "description": report.description,
+        **machine.stamp(argv[1:], report.workload),
         "settings": settings,
         "environment": environment(args),
+        "columns": [{"key": k, "header": h, "format": f} for k, h, f in report.columns],
         "runs": [r.to_dict() if isinstance(r, RunResult) else r for r in report.runs],
         "summary": report.summary,
     }
@@ -1077,7 +1079,7 @@ def main(argv: list[str]) -> int:
         return EXIT_USAGE
     except SystemExit as exc:  # --help
         return int(exc.code or 0)
-    data = report_dict(report, args)
+    data = report_dict(report, args, list(argv))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(data, indent=2) + "\n")
     if args.plot and write_plot(report, data["runs"], args.out.with_suffix(".png")):
