@@ -59,7 +59,10 @@ def llama_cpp_runner(path: str, threads: int, shapes: Shapes) -> tuple[Runner | 
                       "builds llama.cpp from source (CMAKE_ARGS=\"-DGGML_NATIVE=ON\" for this "
                       "CPU's instructions); no llama.cpp rows")
     per_seq = max(shapes.prompt_len + shapes.decode_tokens, shapes.prefill_len + 1)
-    peer = LlamaCppBatched(path, threads, max_seqs=shapes.streams, ctx_per_seq=per_seq)
+    try:
+        peer = LlamaCppBatched(path, threads, max_seqs=shapes.streams, ctx_per_seq=per_seq)
+    except ValueError as exc:  # e.g. a file without the metadata llama.cpp needs
+        return None, f"{exc}: no llama.cpp rows"
     return peer.run, ("llama.cpp via llama-cpp-python's low-level API, as its batched "
                       "example: every sequence's next token in one llama_batch per "
                       "llama_decode, greedy from each sequence's logits")
