@@ -162,3 +162,41 @@ def top_logprobs(logits: torch.Tensor, k: int = 5) -> list[dict[int, float]]:
     """[steps, vocab] logits -> each step's k most likely tokens and their log-probabilities."""
     values, ids = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
     return [dict(zip(i.tolist(), v.tolist())) for i, v in zip(ids, values)]
+
+
+def hf_greedy_reference(model, tokenizer, prompts: list[str], max_tokens: int
+                        ) -> list[tuple[list[int], list[dict[int, float]]]]:
+    """transformers' greedy continuations (token ids, EOS included when reached) with each
+    step's top log-probabilities, generated as one left-padded batch (transformers' fp32
+    logits do not depend on the batch shape)."""
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    tokenizer.padding_side = "left"
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        gen = model.generate(**batch, max_new_tokens=max_tokens, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)
+    logits = torch.stack(gen.logits, dim=1)  # [prompts, steps, vocab]
+    out = []
+    for row, row_logits in zip(gen.sequences[:, batch.input_ids.shape[1]:].tolist(), logits):
+        cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        out.append((row[:cut], top_logprobs(row_logits[:cut])))
+    return out
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def greedy_agreement(ours, want) -> tuple[int, float]:
+    """Two runs' RequestOutputs (greedy, logprobs=0) -> the tokens they agree on before their
+    first difference, summed over requests, and the largest |logprob difference| there."""
+    agree, worst = 0, 0.0
+    for a, b in zip(ours, want):
+        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
+        n = common_prefix(ta, tb)
+        agree += n
+        for i in range(n):
+            worst = max(worst, abs(a.outputs[0].logprobs[i][ta[i]].logprob
+                                   - b.outputs[0].logprobs[i][tb[i]].logprob))
+    return agree, worst

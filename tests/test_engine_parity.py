@@ -3,10 +3,9 @@ in every scheduling configuration (acceptance of the engine-core issue)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from pagedllm import LLM, SamplingParams
-from tests.paged_helpers import NEAR_TIE_VS_TRANSFORMERS, assert_same_greedy, top_logprobs
+from tests.paged_helpers import NEAR_TIE_VS_TRANSFORMERS, assert_same_greedy, hf_greedy_reference
 from tests.prompts import mixed_prompts
 
 MAX_TOKENS = 24
@@ -23,22 +22,7 @@ def reference(hf_reference, prompts):
     step's top log-probabilities, generated as one left-padded batch (transformers' fp32
     logits do not depend on the batch shape)."""
     model, tokenizer = hf_reference
-    eos = model.generation_config.eos_token_id
-    eos = set(eos if isinstance(eos, list) else [eos])
-    tokenizer.padding_side = "left"
-    batch = tokenizer(prompts, return_tensors="pt", padding=True)
-    with torch.no_grad():
-        gen = model.generate(**batch, max_new_tokens=MAX_TOKENS, do_sample=False,
-                             output_logits=True, return_dict_in_generate=True)
-    logits = torch.stack(gen.logits, dim=1)  # [prompts, steps, vocab]
-    outputs = []
-    for row, row_logits in zip(gen.sequences[:, batch.input_ids.shape[1]:].tolist(), logits):
-        for i, t in enumerate(row):
-            if t in eos:
-                row = row[: i + 1]
-                break
-        outputs.append((row, top_logprobs(row_logits[: len(row)])))
-    return outputs
+    return hf_greedy_reference(model, tokenizer, prompts, MAX_TOKENS)
 
 
 CONFIGS = {

@@ -3,16 +3,11 @@ cache kernels and read by the Triton attention kernels (in Triton's interpreter 
 and refused on the CPU path with an error naming the flag."""
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton", reason="triton is not installed (pip install 'pagedllm[gpu]')")
-
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+from tests.triton_setup import DEVICE, INTERPRETED, skip_unless_runnable
 
 from pagedllm.kernels import triton_attention  # noqa: E402
 from pagedllm.kernels.reference import paged_attention, write_kv_cache  # noqa: E402
@@ -25,11 +20,7 @@ from pagedllm.kernels.triton_ops import triton_rotary_embedding  # noqa: E402
 from pagedllm.worker.cache_engine import resolve_kv_cache_dtype  # noqa: E402
 from tests.test_kernels import make_batch  # noqa: E402
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
-if DEVICE == "cpu" and not isinstance(triton_attention._paged_decode_kernel, InterpretedFunction):
-    pytest.skip("Triton kernels were imported without TRITON_INTERPRET=1; run with TRITON_INTERPRET=1",
-                allow_module_level=True)
+skip_unless_runnable(triton_attention._paged_decode_kernel)
 FP8 = torch.float8_e4m3fn
 
 

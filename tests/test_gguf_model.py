@@ -16,7 +16,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.benchmarks.workloads import PASSAGES
 from pagedllm.kernels.cpu import build
 from pagedllm.layers.gguf_linear import GGUFEmbedding, GGUFLinear, PackedMatrix
-from tests.paged_helpers import PagedRunner
+from tests.paged_helpers import PagedRunner, greedy_agreement
 from tests.prompts import OPENINGS, QUESTIONS
 from tests.quant_helpers import QT, random_packed
 
@@ -136,10 +136,6 @@ def test_default_model_stays_packed(gguf_llm, default_llm, default_gguf):
     assert ours.weight_bytes < dense.weight_bytes / 5
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
 def test_greedy_agreement_with_the_float32_path(gguf_llm, default_llm):
     """Issue 16's acceptance: >= 90% of 16 prompts x 32 greedy tokens agree (measured: all
     512, the chosen tokens' logprobs within 2e-3)."""
@@ -147,14 +143,7 @@ def test_greedy_agreement_with_the_float32_path(gguf_llm, default_llm):
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=0)
     want = default_llm.generate(prompts, params, use_tqdm=False)
     ours = gguf_llm.generate(prompts, params, use_tqdm=False)
-    agree, worst = 0, 0.0
-    for a, b in zip(ours, want):
-        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
-        n = common_prefix(ta, tb)
-        agree += n
-        for i in range(n):
-            worst = max(worst, abs(a.outputs[0].logprobs[i][ta[i]].logprob
-                                   - b.outputs[0].logprobs[i][tb[i]].logprob))
+    agree, worst = greedy_agreement(ours, want)
     print(f"greedy agreement {agree}/512, max logprob difference {worst:.5f}")
     assert agree >= 0.9 * 512
     assert worst < 0.05

@@ -7,17 +7,12 @@ reads a cache whose unused slots are NaN, so an unwritten output or a stray read
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton", reason="triton is not installed (pip install 'pagedllm[gpu]')")
-
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+from tests.triton_setup import DEVICE, INTERPRETED, skip_unless_runnable
 
 from pagedllm.kernels import triton_attention  # noqa: E402
 from pagedllm.kernels.reference import alibi_slopes, paged_attention, write_kv_cache  # noqa: E402
@@ -36,13 +31,7 @@ from pagedllm.kernels.triton_counters import counters  # noqa: E402
 from pagedllm.kernels.triton_gemv import skinny_matmul  # noqa: E402
 from pagedllm.kernels.triton_sampling import row_argmax_logsumexp  # noqa: E402
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
-if DEVICE == "cpu" and not isinstance(triton_attention._paged_decode_kernel, InterpretedFunction):
-    # triton.jit chose compiled kernels when the module was first imported, before
-    # TRITON_INTERPRET was set (by an earlier test module); they cannot run on CPU tensors.
-    pytest.skip("Triton kernels were imported without TRITON_INTERPRET=1; run with TRITON_INTERPRET=1",
-                allow_module_level=True)
+skip_unless_runnable(triton_attention._paged_decode_kernel)
 # The interpreter cannot run tl.dot on bfloat16 (it multiplies the raw uint16 bit patterns:
 # triton-lang/triton#11584), and it truncates fp32 -> bf16 casts where the GPU rounds to
 # nearest even. bf16 attention is checked on the GPU by tests/gpu/test_kernel_checks.py.

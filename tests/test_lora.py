@@ -12,7 +12,7 @@ from pagedllm.engine.lora_adapters import NOT_ENABLED
 from pagedllm.engine.lora_slots import LoRASlots
 from pagedllm.engine.sequence import Sequence, SequenceGroup
 from tests.paged_helpers import (
-    NEAR_TIE_ACROSS_BATCH_SHAPES, NEAR_TIE_VS_TRANSFORMERS, assert_same_greedy, top_logprobs,
+    NEAR_TIE_ACROSS_BATCH_SHAPES, NEAR_TIE_VS_TRANSFORMERS, assert_same_greedy, hf_greedy_reference,
 )
 from tests.prompts import mixed_prompts
 
@@ -48,24 +48,6 @@ def make_adapter(base, path, seed: int, rank: int, targets: list[str]):
     return model
 
 
-def greedy_reference(model, tokenizer, prompts: list[str]) -> list[tuple[list[int], list]]:
-    """transformers' greedy continuations (EOS kept) and each step's top logprobs, as one
-    left-padded batch."""
-    eos = model.generation_config.eos_token_id
-    eos = set(eos if isinstance(eos, list) else [eos])
-    tokenizer.padding_side = "left"
-    batch = tokenizer(prompts, return_tensors="pt", padding=True)
-    with torch.no_grad():
-        gen = model.generate(**batch, max_new_tokens=MAX_TOKENS, do_sample=False,
-                             output_logits=True, return_dict_in_generate=True)
-    logits = torch.stack(gen.logits, dim=1)
-    out = []
-    for row, row_logits in zip(gen.sequences[:, batch.input_ids.shape[1]:].tolist(), logits):
-        cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
-        out.append((row[:cut], top_logprobs(row_logits[:cut])))
-    return out
-
-
 @pytest.fixture(scope="session")
 def adapters(hf_reference, tmp_path_factory):
     """name -> (LoRARequest, transformers+peft merged greedy references): all 16 prompts
@@ -81,7 +63,7 @@ def adapters(hf_reference, tmp_path_factory):
         peft_model = make_adapter(base, root / name, seed, rank, targets)
         prompts = {"a": PROMPTS, "c": PROMPTS[:2]}.get(name, [])
         merged = peft_model.merge_and_unload().eval()
-        refs = greedy_reference(merged, tokenizer, prompts) if prompts else []
+        refs = hf_greedy_reference(merged, tokenizer, prompts, MAX_TOKENS) if prompts else []
         out[name] = (LoRARequest(f"adapter-{name}", i + 1, str(root / name)), refs)
         del merged, peft_model, base
     return out

@@ -6,16 +6,11 @@ interpreter runs a program in tens of milliseconds)."""
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton", reason="triton is not installed (pip install 'pagedllm[gpu]')")
-
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+from tests.triton_setup import DEVICE, skip_unless_runnable
 
 from pagedllm.kernels import triton_threshold  # noqa: E402
 from pagedllm.kernels.triton_sampling import sample_rows  # noqa: E402
@@ -29,11 +24,7 @@ from pagedllm.layers.sampler import (  # noqa: E402
 )
 from pagedllm.sampling_params import SamplingParams  # noqa: E402
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
-if DEVICE == "cpu" and not isinstance(triton_threshold._row_threshold_kernel, InterpretedFunction):
-    pytest.skip("Triton kernels were imported without TRITON_INTERPRET=1; run with TRITON_INTERPRET=1",
-                allow_module_level=True)
+skip_unless_runnable(triton_threshold._row_threshold_kernel)
 
 PARAMS = [
     SamplingParams(temperature=0.8, top_p=0.95),

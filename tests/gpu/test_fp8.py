@@ -20,6 +20,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.benchmarks import fp8_bench
+from tests.paged_helpers import greedy_agreement
 from tests.prompts import OPENINGS, QUESTIONS
 
 pytestmark = pytest.mark.cuda
@@ -36,10 +37,6 @@ def test_fp8_linear_matches_its_emulation_and_bf16(name):
         assert rel_bf16 < fp8_bench.MAX_REL_ERR_VS_BF16, f"{name} m={m}: {rel_bf16:.3f} vs bf16"
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
 def agreement(label: str, model: str | None, load_format: str, prompts, max_tokens: int) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
     outs = {}
@@ -52,14 +49,7 @@ def agreement(label: str, model: str | None, load_format: str, prompts, max_toke
         torch.cuda.empty_cache()
     for quant, run in outs.items():
         assert [len(o.outputs[0].token_ids) for o in run] == [max_tokens] * len(prompts), quant
-    agree, worst = 0, 0.0
-    for a, b in zip(outs["fp8"], outs[None]):
-        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
-        n = common_prefix(ta, tb)
-        agree += n
-        for i in range(n):
-            worst = max(worst, abs(a.outputs[0].logprobs[i][ta[i]].logprob
-                                   - b.outputs[0].logprobs[i][tb[i]].logprob))
+    agree, worst = greedy_agreement(outs["fp8"], outs[None])
     total = len(prompts) * max_tokens
     print(f"{label}: greedy agreement fp8 vs bf16 {agree}/{total} = {agree / total:.1%}, "
           f"max |logprob diff| while agreeing {worst:.4f}", flush=True)

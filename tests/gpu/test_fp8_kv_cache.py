@@ -18,6 +18,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.kernels.reference import paged_attention
 from pagedllm.kernels.triton_attention import triton_paged_attention
 from pagedllm.kernels.triton_cache import triton_write_kv_cache
+from tests.paged_helpers import greedy_agreement
 from tests.prompts import OPENINGS, QUESTIONS
 from tests.test_kernels import make_batch
 
@@ -46,10 +47,6 @@ def test_attention_over_fp8_cache_on_cuda(num_heads, num_kv_heads, head_dim, que
           f"bf16 KV| attention output {(out - exact).abs().max().item():.4f}", flush=True)
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
 def agreement(label: str, model: str | None, load_format: str, prompts, max_tokens: int) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
     outs, blocks = {}, {}
@@ -64,14 +61,7 @@ def agreement(label: str, model: str | None, load_format: str, prompts, max_toke
     for kv, run in outs.items():
         assert [len(o.outputs[0].token_ids) for o in run] == [max_tokens] * len(prompts), kv
     assert blocks["fp8"] > 1.8 * blocks["auto"], blocks
-    agree, worst = 0, 0.0
-    for a, b in zip(outs["fp8"], outs["auto"]):
-        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
-        n = common_prefix(ta, tb)
-        agree += n
-        for i in range(n):
-            worst = max(worst, abs(a.outputs[0].logprobs[i][ta[i]].logprob
-                                   - b.outputs[0].logprobs[i][tb[i]].logprob))
+    agree, worst = greedy_agreement(outs["fp8"], outs["auto"])
     total = len(prompts) * max_tokens
     print(f"{label}: greedy agreement fp8 KV vs bf16 KV {agree}/{total} = {agree / total:.1%}, "
           f"max |logprob diff| while agreeing {worst:.4f}; KV blocks {blocks['fp8']} vs "
