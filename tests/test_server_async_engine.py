@@ -23,6 +23,7 @@ class ScriptedEngine:
     """Every step gives each request one token (id = its count); it can be told to fail."""
 
     model_name = "scripted"
+    served_model_names = ["scripted"]
     max_model_len = 64
     tokenizer = None
     model_config = SimpleNamespace(vocab_size=100)
@@ -34,7 +35,7 @@ class ScriptedEngine:
         self.fail_next_step = False
         self.step_seconds = step_seconds
 
-    def add_request(self, request_id, prompt, params, arrival_time=None) -> None:
+    def add_request(self, request_id, prompt, params, arrival_time=None, lora_request=None) -> None:
         if not prompt:
             raise ValueError("the prompt is empty")
         if request_id in self.requests:
