@@ -22,6 +22,7 @@ from pagedllm.engine.lora_adapters import LoRAAdapters
 from pagedllm.engine.lora_slots import LoRASlots
 from pagedllm.engine.outputs import OutputProcessor, ignored_output
 from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
+from pagedllm.engine.scheduler_update import SequenceUpdater
 from pagedllm.engine.sequence import SequenceGroup, SequenceStatus
 from pagedllm.engine.spec import Speculator
 from pagedllm.engine.structured_output import StructuredOutputManager
@@ -107,9 +108,10 @@ class EngineCore:
             self.tokenizer, list(info.eos_token_ids), self.model_config.vocab_size,
             pin_masks=info.on_cuda)
         self.grammar = GrammarSteps(self.structured, info.defers_token_bitmask)
-        self.output_processor = OutputProcessor(
-            self.scheduler, self.batch_builder, self.structured, self.tokenizer,
-            self.eos_token_ids, self.max_model_len, self._seq_ids, self.spec_stats)
+        self.scheduler.updater = SequenceUpdater(
+            self.scheduler, self.batch_builder, self.structured, self.eos_token_ids,
+            self._seq_ids, self.spec_stats)
+        self.output_processor = OutputProcessor(self.scheduler, self.tokenizer)
         self.detokenizer = self.output_processor.detokenizer
         self.loras = LoRAAdapters(self.worker, args.enable_lora)
         self.lora_slots = self.scheduler.lora_slots = \
@@ -147,8 +149,8 @@ class EngineCore:
 
     # --------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        """Schedule -> build the step batch -> the worker runs it -> update (append, fork,
-        detokenize, stop, free)."""
+        """Schedule -> build the step batch -> the worker runs it -> the scheduler's update
+        (append, fork, stop, free) -> the outputs (detokenize, stop strings, logprobs)."""
         _freeze_heap()
         return self._step()
 
@@ -169,7 +171,8 @@ class EngineCore:
         if ahead is not None:
             self.grammar.start_ahead(running.batch, result, ahead.batch)
         self._in_flight = ahead
-        outputs += self.output_processor.update(running.out, result)
+        update = self.scheduler.update_from_output(running.out, result)
+        outputs += self.output_processor.process(update, result)
         if ahead is not None and not _has_running(ahead.out):
             # Every sequence of the step launched ahead finished in this one (on a token or a
             # stop string): nothing waits for its samples.

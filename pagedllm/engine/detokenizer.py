@@ -20,12 +20,14 @@ class Detokenizer:
         seq.prefix_offset = max(n - PREFIX_WINDOW, 0)
         seq.read_offset = n
 
-    def decode_new(self, seq: Sequence, skip_special_tokens: bool = True) -> str:
-        """Append the text of newly generated tokens to seq.output_text; return that text."""
+    def decode_new(self, seq: Sequence, skip_special_tokens: bool = True,
+                   end: int | None = None) -> str:
+        """Append the text of newly generated tokens (those before `end`, all by default)
+        to seq.output_text; return that text."""
         if self.tokenizer is None:
             return ""
         # the window only: copying the whole prompt + output per token costs O(length)
-        length = seq.get_len()
+        length = seq.get_len() if end is None else end
         ids = seq.token_slice(seq.prefix_offset, length)
         decode = self.tokenizer.decode
         prefix = decode(ids[: seq.read_offset - seq.prefix_offset],

@@ -31,6 +31,7 @@ from pagedllm.engine.block_manager import AllocStatus, BlockSpaceManager
 from pagedllm.engine.sequence import FINISHED_STATUSES, Sequence, SequenceGroup, SequenceStatus
 
 if TYPE_CHECKING:
+    from pagedllm.contract import StepResult
     from pagedllm.engine.lora_slots import LoRASlots
 
 RUNNING = SequenceStatus.RUNNING
@@ -113,6 +114,10 @@ class Scheduler:
         self._group_of_seq: dict[int, SequenceGroup] = {}
         # LoRA (engine/lora_slots.py): a group is admitted only once its adapter has a slot.
         self.lora_slots: LoRASlots | None = None
+        # What a step's tokens reach beyond the scheduler: a SequenceUpdater
+        # (engine/scheduler_update.py, which imports this module, hence no annotation), set
+        # by the engine and needed only by `update_from_output`.
+        self.updater = None
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -169,6 +174,18 @@ class Scheduler:
         child.status = SequenceStatus.RUNNING
         group.add(child)
         self._group_of_seq[child.seq_id] = group
+
+    def update_from_output(self, out: SchedulerOutput, result: StepResult):
+        """A step's samples into its sequences, the one place: append, mark computed, the
+        token-level stops, free the finished. Returns the StepUpdate the output processor
+        reads (engine/scheduler_update.py)."""
+        return self.updater.update(out, result)
+
+    def finish_on_stop_string(self, seq: Sequence, stop: str, output_len: int,
+                              update) -> None:
+        """The output processor found `stop` completed by `seq`'s `output_len`-th output
+        token: the sequence stops there (later tokens of the step dropped) and is freed."""
+        self.updater.finish_on_stop_string(seq, stop, output_len, update)
 
     def free_seq(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

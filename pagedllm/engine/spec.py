@@ -4,7 +4,7 @@ A speculative step needs the last step's tokens: it runs alone (one step per sch
 nothing launched ahead). Multi-step and async scheduling stay for the steps where
 speculation is off (above disable_by_batch_size running sequences). The worker scores the
 proposals; the update appends the kept tokens and rolls the blocks back
-(OutputProcessor._append_spec).
+(SequenceUpdater._update_seq, engine/scheduler_update.py).
 """
 from __future__ import annotations
 
