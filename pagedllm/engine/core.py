@@ -4,8 +4,9 @@
 The executor (pagedllm/contract.py: Executor) executes a StepBatch (plain data) and hands
 back a handle; `sample(handle, masks)` gives the StepResult. With async scheduling the next
 decode window is executed before this one's samples are read
-(Scheduler.schedule_continuation), so the host's update overlaps the device's next forward. Requests come in through LLMEngine
-(engine/llm_engine.py), which adds tokenization and the admission checks.
+(Scheduler.schedule_continuation), so the host's update overlaps the device's next forward.
+Requests come in through LLMEngine (engine/llm_engine.py), which adds tokenization and the
+admission checks.
 """
 from __future__ import annotations
 
