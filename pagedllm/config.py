@@ -145,6 +145,22 @@ def resolve_dtype(name: str, device: Any) -> Any:
     return getattr(torch, name)
 
 
+@dataclass(frozen=True)
+class EngineConfig:
+    """What is known before any worker exists or any weight loads (resolve_config in
+    engine/config_resolver.py): the model, its context, its stop tokens. Picklable: a
+    tensor-parallel rank gets rank 0's. The rest (KV blocks, batch limits sized by the GPU)
+    comes back from the worker (contract.WorkerInfo)."""
+
+    model_config: ModelConfig  # max_position_embeddings raised to an allowed longer context
+    source_name: str  # the model's name, as the server answers to it by default
+    source_path: str | None  # the file or directory it came from; None for dummy presets
+    tokenizer_path: str | None  # the user's override, else the model's own; None: none
+    max_model_len: int
+    # The config's stop tokens, and the tokenizer's EOS once rank 0 has loaded it.
+    eos_token_ids: tuple[int, ...]
+
+
 @dataclass
 class CacheConfig:
     """What the block manager needs (the memory options are the Worker's: EngineArgs)."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pagedllm.config import EngineConfig
 from pagedllm.contract import GrammarMasks, StepBatch, StepResult, WorkerInfo
 
 VOCAB = 64
@@ -24,11 +25,14 @@ class FakeModelConfig:
 
 
 class FakeExecutor:
-    model_config = FakeModelConfig()
     tokenizer = None
 
     def __init__(self, on_cuda: bool = False, num_gpu_blocks: int = 64,
                  max_model_len: int = 256, eos_token_id: int = VOCAB - 1) -> None:
+        # What the engine would have resolved for such a model (resolve_config).
+        self.config = EngineConfig(
+            model_config=FakeModelConfig(), source_name="fake", source_path=None,
+            tokenizer_path=None, max_model_len=max_model_len, eos_token_ids=(eos_token_id,))
         self._info = WorkerInfo(
             num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=0, max_model_len=max_model_len,
             max_num_batched_tokens=max_model_len, max_num_seqs=256,

@@ -369,7 +369,7 @@ def default_model_once():
     weights = list(source.iter_weights(torch.float32))
     source.weight_iterator = lambda dtype: ((n, t.to(dtype)) for n, t in weights)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(worker, "load_model_source", lambda *args: source)
+        mp.setattr(worker, "load_model_source", lambda *args, **kwargs: source)
         yield
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pagedllm.engine.config_resolver import resolve_config
 from pagedllm.engine_args import EngineArgs
 from pagedllm.worker import memory, worker
 from pagedllm.worker.cache_engine import bytes_per_block, zeros
@@ -35,8 +36,8 @@ def test_cpu_kv_cache_is_sized_by_the_bound_without_a_forward(tmp_path, monkeypa
 
     monkeypatch.setattr(worker.Worker, "_profile_run", no_forward)
     monkeypatch.setattr(memory, "available_host_memory", lambda: 2 * GiB)
-    w = worker.Worker(EngineArgs(model=tiny_config(tmp_path), load_format="dummy",
-                                 swap_space=0.001))
+    args = EngineArgs(model=tiny_config(tmp_path), load_format="dummy", swap_space=0.001)
+    w = worker.Worker(args, resolve_config(args))
     c = w.model_config
     peak = memory.estimate_activation_peak(c, 2048, 256, torch.float32, 1024)
     budget = int(2 * GiB * memory.CPU_KV_FRACTION) - peak
@@ -58,11 +59,13 @@ MEASURE = """
 import json, math, resource, sys, torch
 from pagedllm.engine_args import EngineArgs
 from pagedllm.kernels.metadata import PagedAttentionInputMetadata, slots_for
+from pagedllm.engine.config_resolver import resolve_config
 from pagedllm.worker import memory, worker
 
-w = worker.Worker(EngineArgs(model="smollm2-135m", load_format="dummy", max_model_len=4096,
-                             max_num_batched_tokens=512, max_num_seqs=128,
-                             num_gpu_blocks_override=8, swap_space=0.001))
+args = EngineArgs(model="smollm2-135m", load_format="dummy", max_model_len=4096,
+                  max_num_batched_tokens=512, max_num_seqs=128, num_gpu_blocks_override=8,
+                  swap_space=0.001)
+w = worker.Worker(args, resolve_config(args))
 c, bs = w.model_config, 16
 # The LM head's MKL-packed copy, made on the first batched step, is a weight (made once,
 # checked against free RAM by the worker), not working memory: keep it out of the peaks.

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.contract import Executor, SpecStats, StepBatch, StepHandle, WorkerInfo
 from pagedllm.engine.batch_builder import StepBatchBuilder
+from pagedllm.engine.config_resolver import load_engine_tokenizer, resolve_config
 from pagedllm.engine.grammar import GrammarSteps
 from pagedllm.engine.lora_adapters import LoRAAdapters
 from pagedllm.engine.lora_slots import LoRASlots
@@ -76,14 +77,20 @@ def _has_running(out: SchedulerOutput) -> bool:
 
 class EngineCore:
     def __init__(self, args: EngineArgs, executor: Executor | None = None) -> None:
-        """`executor`: the one to drive (a fake, in tests); by default the one the
-        arguments ask for (create_worker)."""
+        """`executor`: the one to drive (a fake, in tests, with its own `config` and
+        `tokenizer`); by default the one the arguments ask for (create_worker), made after
+        the arguments are resolved and the tokenizer loaded (resolve_config)."""
         self.args = args
-        self.worker: Executor = executor if executor is not None else create_worker(args)
+        if executor is None:
+            config = resolve_config(args)
+            self.tokenizer, self.config = load_engine_tokenizer(config)
+            executor = create_worker(args, self.config)
+        else:
+            self.config, self.tokenizer = executor.config, executor.tokenizer
+        self.worker: Executor = executor
         weakref.finalize(self, _unfreeze_heap)
         self.info = info = self.worker.info()
-        self.model_config = self.worker.model_config
-        self.tokenizer = self.worker.tokenizer
+        self.model_config = self.config.model_config
         # The names the server answers to; the first is the one its responses carry.
         self.served_model_names = args.served_model_names() or [info.source_name]
         self.model_name = self.served_model_names[0]

@@ -20,9 +20,12 @@ from pagedllm.loader.tokenizer import has_tokenizer_files, load_tokenizer
 
 
 def load_model_source(
-    model: str | None = None, load_format: str = "auto", tokenizer: str | None = None
+    model: str | None = None, load_format: str = "auto", tokenizer: str | None = None,
+    with_tokenizer: bool = True,
 ) -> ModelSource:
     """Config, tokenizer and weights of a model; `tokenizer` overrides the model's own.
+    `with_tokenizer` False: the tokenizer's path only (ModelSource.tokenizer_path), not
+    loaded (the engine loads it on rank 0; a worker never needs it).
 
     The model's own tokenizer is None for dummy weights, and for a GGUF without tokenizer
     metadata or a directory without tokenizer files (bare test checkpoints).
@@ -37,8 +40,9 @@ def load_model_source(
         source, own_tokenizer = _gguf_source(default_model_path())
     else:
         source, own_tokenizer = _source(model, load_format)
-    if tokenizer is not None or own_tokenizer is not None:
-        source.tokenizer = load_tokenizer(tokenizer or own_tokenizer)
+    source.tokenizer_path = tokenizer or own_tokenizer
+    if with_tokenizer and source.tokenizer_path is not None:
+        source.tokenizer = load_tokenizer(source.tokenizer_path)
     return source
 
 

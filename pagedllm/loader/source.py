@@ -23,6 +23,9 @@ class ModelSource:
     tokenizer: PreTrainedTokenizerBase | None
     load_format: str  # "gguf" | "safetensors" | "dummy"
     weight_iterator: WeightIterator | None = field(default=None, repr=False)
+    # Where the tokenizer is read from (the user's override, else the model's own); None:
+    # the model has none.
+    tokenizer_path: str | None = None
 
     def iter_weights(self, dtype: torch.dtype, keep_packed: Collection[str] = frozenset(),
                      total_bytes: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:

@@ -36,7 +36,7 @@ from pagedllm.worker.placement import place_model
 def load_draft_model(model: str, load_format: str, seed: int, dtype: torch.dtype,
                      device: torch.device, vocab_size: int, max_model_len: int) -> nn.Module:
     """The draft model on `device`, in `dtype`; its vocabulary must be the target's."""
-    source = load_model_source(model, load_format, None)
+    source = load_model_source(model, load_format, None, with_tokenizer=False)
     config = source.config
     if config.vocab_size != vocab_size:
         raise ValueError(f"speculative_config: the draft model {model!r} has a vocabulary of "

@@ -35,6 +35,7 @@ import torch
 
 from pagedllm.distributed import parallel_state as ps
 from pagedllm.distributed.communication import broadcast_object
+from pagedllm.config import EngineConfig
 from pagedllm.engine_args import EngineArgs
 from pagedllm.contract import GrammarMasks, StepBatch, StepResult
 from pagedllm.worker.model_runner import PendingStep
@@ -52,13 +53,14 @@ class TensorParallelError(RuntimeError):
     fatal = True  # the server answers the requests in flight, then exits non-zero
 
 
-def create_worker(args: EngineArgs) -> Worker:
+def create_worker(args: EngineArgs, config: EngineConfig) -> Worker:
     """The engine's worker: a plain Worker, or with tensor parallelism rank 0's DriverWorker
     (starting the other ranks, or joining torchrun's). Under torchrun a rank other than 0
-    serves steps here and exits the process when rank 0 stops."""
+    serves steps here, under rank 0's `config` (the only one that read the tokenizer), and
+    exits the process when rank 0 stops."""
     env = ps.torchrun_env()
     if env is None and args.tensor_parallel_size == 1:
-        return Worker(args)
+        return Worker(args, config)
     if env is not None:
         world, rank, local_rank = env
         if world != args.tensor_parallel_size:
@@ -66,11 +68,12 @@ def create_worker(args: EngineArgs) -> Worker:
                              f"started {world} processes: they must be equal")
         _init(args, world, rank, local_rank, "env://", local_world=int(
             os.environ.get("LOCAL_WORLD_SIZE", world)))
+        config = broadcast_object(config)
         if rank != 0:
-            code = worker_loop(args)
+            code = worker_loop(args, config)
             sys.exit(code)
-        return DriverWorker(args, [])
-    return DriverWorker(args, _spawn_ranks(args))
+        return DriverWorker(args, config, [])
+    return DriverWorker(args, config, _spawn_ranks(args, config))
 
 
 def _backend(args: EngineArgs) -> str:
@@ -100,7 +103,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn_ranks(args: EngineArgs) -> list:
+def _spawn_ranks(args: EngineArgs, config: EngineConfig) -> list:
     """Start ranks 1..N-1 on this machine and join the group as rank 0."""
     size = args.tensor_parallel_size
     if _backend(args) == "nccl" and torch.cuda.device_count() < size:
@@ -110,7 +113,7 @@ def _spawn_ranks(args: EngineArgs) -> list:
     context = torch.multiprocessing.get_context("spawn")
     processes = []
     for rank in range(1, size):
-        p = context.Process(target=_rank_main, args=(args, size, rank, init_method),
+        p = context.Process(target=_rank_main, args=(args, config, size, rank, init_method),
                             name=f"pagedllm-tp-rank-{rank}", daemon=True)
         p.start()
         processes.append(p)
@@ -125,25 +128,26 @@ def _spawn_ranks(args: EngineArgs) -> list:
     return processes
 
 
-def _rank_main(args: EngineArgs, world: int, rank: int, init_method: str) -> None:
-    """A spawned rank's process."""
+def _rank_main(args: EngineArgs, config: EngineConfig, world: int, rank: int,
+               init_method: str) -> None:
+    """A spawned rank's process: rank 0's resolved config, no tokenizer."""
     logging.basicConfig(level=logging.WARNING)
     try:
         _init(args, world, rank, rank, init_method, local_world=world)
     except Exception as exc:  # rank 0 reports the failed rendezvous
         logger.error("tensor parallel rank %d could not join: %s", rank, exc)
         os._exit(1)
-    code = worker_loop(args)
+    code = worker_loop(args, config)
     logging.shutdown()
     os._exit(code)  # skip the interpreter's teardown: rank 0 waits for this exit
 
 
-def worker_loop(args: EngineArgs) -> int:
+def worker_loop(args: EngineArgs, config: EngineConfig) -> int:
     """A rank other than 0: build its Worker (joining the collectives of loading and
     profiling), then apply every step rank 0 broadcasts until it says stop. The exit code:
     0 after a stop, 1 after an error (rank 0 sees the closed connection)."""
     try:
-        worker = Worker(args)
+        worker = Worker(args, config)
         while True:
             batch = broadcast_object(None)
             if batch is STOP:
@@ -165,12 +169,12 @@ class DriverWorker(Worker):
 
     defers_token_bitmask = False  # every rank samples: the mask would need a second broadcast
 
-    def __init__(self, args: EngineArgs, processes: list) -> None:
+    def __init__(self, args: EngineArgs, config: EngineConfig, processes: list) -> None:
         self.processes = processes
         self._stopped = False
         try:
             with self._naming_failures():
-                super().__init__(args)
+                super().__init__(args, config)
         except BaseException:
             self.shutdown()
             raise

@@ -12,7 +12,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from pagedllm.config import bound_by_cache, default_batch_limits, resolve_dtype
+from pagedllm.config import EngineConfig, bound_by_cache, default_batch_limits, resolve_dtype
 from pagedllm.distributed import parallel_state as ps
 from pagedllm.distributed.communication import all_reduce_min
 from pagedllm.engine_args import EngineArgs
@@ -67,42 +67,25 @@ def tp_device(device: torch.device, device_map: str) -> torch.device:
     return torch.device("cuda", local)
 
 
-# As vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN: a context longer than the model's positions
-# (a rope-scaled model the config undersells); past them, outputs may be garbage.
-ALLOW_LONG_MAX_MODEL_LEN = "PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN"
-
-
-def resolve_max_model_len(requested: int | None, model_max: int) -> int:
-    """The context length: the model's own by default; a longer request is an error naming
-    both numbers unless ALLOW_LONG_MAX_MODEL_LEN=1 is set in the environment."""
-    if requested is None:
-        return model_max
-    if requested > model_max and os.environ.get(ALLOW_LONG_MAX_MODEL_LEN) != "1":
-        raise ValueError(
-            f"--max-model-len {requested} is longer than the model's {model_max} positions "
-            f"(max_position_embeddings); set {ALLOW_LONG_MAX_MODEL_LEN}=1 to allow it anyway")
-    return requested
-
-
 class Worker:
     # A batch's masks may come with sample (StepBatch.defer_token_bitmask).
     defers_token_bitmask = True
 
-    def __init__(self, args: EngineArgs) -> None:
-        source = load_model_source(args.model, args.load_format, args.tokenizer)
-        self.source_name = source.name
-        self.source_path = source.path  # its own generation defaults are read from it
-        self.model_config = source.config
-        self.tokenizer = source.tokenizer
+    def __init__(self, args: EngineArgs, resolved: EngineConfig) -> None:
+        """`resolved`: what the engine resolved before any worker existed (resolve_config);
+        the worker reads the weights, never the tokenizer."""
+        source = replace(load_model_source(args.model, args.load_format, with_tokenizer=False),
+                         config=resolved.model_config)  # its context as resolved
+        self.source_name = resolved.source_name
+        self.source_path = resolved.source_path  # its own generation defaults are read from it
+        self.model_config = resolved.model_config
+        self.max_model_len = resolved.max_model_len
+        self.eos_token_ids = list(resolved.eos_token_ids)
         device_map = self._resolve(args, source)
         self.model = self._load_model(source, args, device_map)
         config = self.model_config
         head = self.model.lm_head if self.model.lm_head is not None else self.model.embed_tokens
         self.logits_device = next(itertools.chain(head.parameters(), head.buffers())).device
-        eos = list(config.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos.append(self.tokenizer.eos_token_id)
-        self.eos_token_ids = sorted(set(eos))
         self.block_size = args.block_size
         self.runner = ModelRunner(self.model, args.block_size, self.eos_token_ids,
                                   self.device_map.layer_devices, self.logits_device)
@@ -151,11 +134,6 @@ class Worker:
             explicit_map.devices if explicit_map is not None else [device], args.dtype)
         if ps.is_initialized():
             self.quantization = None  # the sharded layers hold plain weights (EngineArgs checks)
-        self.max_model_len = resolve_max_model_len(args.max_model_len,
-                                                   config.max_position_embeddings)
-        if self.max_model_len > config.max_position_embeddings:  # allowed by the override
-            source.config = replace(config, max_position_embeddings=self.max_model_len)
-            self.model_config = source.config
         self._batch_limits(args, device)
         return explicit_map or ("auto" if spec == "auto" else DeviceMap.single(device, num_layers))
 
