@@ -207,7 +207,8 @@ def test_generation_defaults_fill_only_what_a_request_leaves_out():
     class Recording(ScriptedEngine):
         seen: list = []
 
-        def add_request(self, request_id, prompt, params, arrival_time=None) -> None:
+        def add_request(self, request_id, prompt, params, arrival_time=None,
+                        lora_request=None) -> None:
             self.seen.append(params)
             super().add_request(request_id, prompt, params, arrival_time)
 

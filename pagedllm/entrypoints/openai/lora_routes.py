@@ -41,9 +41,14 @@ def model_cards(engine: AsyncLLMEngine) -> list[ModelCard]:
 
 def build_router(engine: AsyncLLMEngine, check_api_key: Any) -> APIRouter:
     router = APIRouter(dependencies=[Depends(check_api_key)])
-    errors = {400: {"model": ErrorResponse, "description": "LoRA not enabled, or a missing "
-                    "path, a rank over --max-lora-rank, shapes not of this base model"},
-              404: {"model": ErrorResponse, "description": "No adapter of that name"}}
+    # The success is plain text (as vLLM's); the errors are JSON in OpenAI's shape, which
+    # the schema must say (FastAPI documents them in the route's text/plain otherwise).
+    json_error = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+    errors = {400: {"model": ErrorResponse, "content": json_error,
+                    "description": "LoRA not enabled, or a missing path, a rank over "
+                    "--max-lora-rank, shapes not of this base model"},
+              404: {"model": ErrorResponse, "content": json_error,
+                    "description": "No adapter of that name"}}
 
     @router.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=errors)
     async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> PlainTextResponse:
