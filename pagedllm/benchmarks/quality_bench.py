@@ -16,7 +16,6 @@ lm-eval is an optional extra: pip install 'pagedllm[eval]' (or pip install lm-ev
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -199,7 +198,9 @@ def main(argv: list[str]) -> int:
         return EXIT_USAGE
     except SystemExit as exc:  # --help
         return int(exc.code or 0)
-    if importlib.util.find_spec("lm_eval") is None:
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
         print(f"error: {INSTALL}", file=sys.stderr)
         return 1
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the data file is local
