@@ -30,7 +30,7 @@ def test_lm_eval_builds_the_task_from_the_yaml_in_the_repository_root(monkeypatc
     from lm_eval.tasks import TaskManager
 
     monkeypatch.chdir(quality_bench.ROOT)  # as `lm_eval --include_path ...` run there
-    manager = TaskManager(include_path=str(quality_bench.DATA))
+    manager = TaskManager(include_path=str(quality_bench.DATA), include_defaults=False)
     task = manager.load(["pagedllm_facts"])["tasks"]["pagedllm_facts"]
     assert task.OUTPUT_TYPE == "multiple_choice"
     docs = list(task.test_docs())
@@ -84,3 +84,6 @@ def test_a_shrunk_run_scores_both_modes_through_real_servers(tmp_path, capsys):
     assert report["command"] == "pagedllm bench quality --limit 4 --out " + str(out)
     printed = capsys.readouterr().out
     assert "acc int8 - fp32 (points)" in printed and "same answer" in printed
+    assert run_bench("render", [str(out)]) == 0  # the generic table: its columns and summary
+    markdown = capsys.readouterr().out
+    assert "| --cpu-activations | items | acc |" in markdown and "- same answer: " in markdown

@@ -106,9 +106,12 @@ def evaluate(url: str, model: str, task: dict, concurrent: int) -> tuple[dict, l
     """lm-eval's local-completions on the task: its metrics, and the choice picked (highest
     log-likelihood) per question in document order."""
     import lm_eval
+    from lm_eval.tasks import TaskManager
 
+    # Without lm-eval's own tasks: indexing their thousands of YAML files takes seconds.
     out = lm_eval.simple_evaluate(
         model="local-completions", tasks=[task], log_samples=True, verbosity="WARNING",
+        task_manager=TaskManager(include_defaults=False),
         model_args={"base_url": url + "/v1/completions", "model": model,
                     "tokenizer_backend": "remote", "num_concurrent": concurrent})
     metrics = out["results"][task["task"]]
