@@ -24,6 +24,8 @@ WORKLOAD_HELP = {
     "fp8": "FP8 linears at Llama-3-8B shapes on CUDA: errors and times vs bf16",
     "tp-allreduce": "share of a tensor-parallel decode step's GPU time in NCCL kernels",
     "lora": "Llama-3-8B shape, 4 adapters of rank 16: throughput and batch-1 decode vs none",
+    "quality": "int8 vs fp32 CPU activations on the default GGUF: multiple-choice accuracy "
+               "through lm-eval against the server",
     "render": "not a workload: the Markdown of --out JSON files, for docs/benchmarks.md",
 }
 
@@ -36,5 +38,6 @@ STANDALONE = {
     "fp8": "fp8_bench",
     "tp-allreduce": "tp_allreduce_bench",
     "lora": "lora_bench",
+    "quality": "quality_bench",
     "render": "render",
 }
