@@ -287,6 +287,9 @@ def test_server_loads_and_unloads_adapters(lora_server, llm, adapters, tmp_path)
     loaded = post("/v1/load_lora_adapter", body)
     assert loaded.status_code == 200, loaded.text
     assert loaded.text == "Success: LoRA adapter 'adapter-c' added successfully."
+    card = httpx.get(url + "/v1/models/adapter-c", headers=auth).json()
+    base = httpx.get(url + "/v1/models", headers=auth).json()["data"][0]["id"]
+    assert (card["id"], card["parent"], card["root"]) == ("adapter-c", base, c_path)
     answer = complete("adapter-c")
     assert answer.status_code == 200, answer.text
     assert answer.json()["choices"][0]["text"] == offline_text(llm, PROMPTS[1],
@@ -307,6 +310,9 @@ def test_server_loads_and_unloads_adapters(lora_server, llm, adapters, tmp_path)
     unloaded = post("/v1/unload_lora_adapter", {"lora_name": "adapter-c"})
     assert unloaded.status_code == 200, unloaded.text
     assert complete("adapter-c").status_code == 404
+    gone = httpx.get(url + "/v1/models/adapter-c", headers=auth)
+    assert (gone.status_code, gone.json()["error"]["message"]) == (
+        404, "The model `adapter-c` does not exist.")
     missing = post("/v1/unload_lora_adapter", {"lora_name": "adapter-c"})
     assert (missing.status_code, missing.json()["error"]["message"]) == (
         404, "The lora adapter 'adapter-c' cannot be found.")

@@ -1,7 +1,10 @@
 """The models one `pagedllm serve` serves: `--model a --model b` (each its own engine; with
 N models, --served-model-name takes N names, one per model in order), or `--models-config
 FILE` (JSON or YAML: a list of per-model engine options, e.g. `model`, `served_model_name`,
-`kv_cache_memory`, `gpu_memory_utilization`, over the command line's as defaults).
+`kv_cache_memory`, `gpu_memory_utilization`, `lora_modules`, over the command line's as
+defaults). The command line's --lora-modules are the first model's; another model's
+adapters are its `lora_modules` in the config. A request naming an adapter goes to the
+model holding it (openai/multi_model.py).
 
 Each model gets its own share of memory: on CUDA the models' `gpu_memory_utilization` are
 shares of the device that must add up to at most 1; the models that set none split the
@@ -67,6 +70,8 @@ def model_namespaces(args: argparse.Namespace) -> list[argparse.Namespace]:
     for entry in entries:
         ns = copy.copy(args)
         ns.served_model_name = None  # the command line's names were one per model
+        if namespaces:  # the command line's --lora-modules are the first model's
+            ns.lora_modules = None
         for key, value in entry.items():
             setattr(ns, key, value)
         namespaces.append(ns)
@@ -97,14 +102,31 @@ def _read_config(path: str) -> list[dict[str, Any]]:
     if not isinstance(entries, list) or not entries or not all(
             isinstance(e, dict) for e in entries):
         raise UsageError(f"{where}: a non-empty list of per-model option objects")
-    known = {f.name for f in fields(EngineArgs)}
+    known = {f.name for f in fields(EngineArgs)} | {"lora_modules"}
     for i, entry in enumerate(entries):
         for key in entry:
             if key.replace("-", "_") not in known:
                 raise UsageError(f"{where}: model {i}: unknown option {key!r} (engine "
                                  f"options are `pagedllm serve --help`'s, e.g. model, "
                                  "served_model_name, kv_cache_memory, gpu_memory_utilization)")
-    return [{k.replace("-", "_"): v for k, v in entry.items()} for entry in entries]
+    entries = [{k.replace("-", "_"): v for k, v in entry.items()} for entry in entries]
+    for i, entry in enumerate(entries):
+        if "lora_modules" in entry:
+            entry["lora_modules"] = _lora_modules(where, i, entry["lora_modules"])
+    return entries
+
+
+def _lora_modules(where: str, i: int, modules: Any) -> list[tuple[str, str]]:
+    """A model's `lora_modules`: a list of "name=path" or {"name": ..., "path": ...}."""
+    from pagedllm.entrypoints.lora_flags import parse_lora_module
+
+    if not isinstance(modules, list):
+        raise UsageError(f"{where}: model {i}: lora_modules is a list of name=path")
+    try:
+        return [parse_lora_module(m if isinstance(m, str) else json.dumps(m))
+                for m in modules]
+    except argparse.ArgumentTypeError as exc:
+        raise UsageError(f"{where}: model {i}: {exc}") from None
 
 
 def check_memory_split(total: float | None, entries: list[dict[str, Any]],

@@ -456,7 +456,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def build_multi_app(engines: list[tuple[AsyncLLMEngine, ServerConfig]]) -> ASGIApp:
     """One app per engine behind a dispatcher by the request's `model` (multi_model.py)."""
     apps = [build_app(engine, config) for engine, config in engines]
-    names = [functools.partial(vllm_routes.served_names, engine) for engine, _ in engines]
+    names = [functools.partial(vllm_routes.served_and_adapter_names, engine) for engine, _ in engines]
     return MultiModelApp(list(zip(apps, names)), engines[0][1].max_request_bytes,
                          _key_refusal(apps[0]))
 

@@ -7,6 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Depends
 
 from pagedllm.engine.async_engine import AsyncLLMEngine
+from pagedllm.entrypoints.openai import lora_routes
 from pagedllm.entrypoints.openai.protocol import ErrorResponse, ModelCard
 from pagedllm.entrypoints.openai.serving_engine import OpenAIError
 
@@ -17,6 +18,11 @@ _NOT_FOUND = {404: {"model": ErrorResponse, "description": "Unknown model (code 
 def served_names(engine: AsyncLLMEngine) -> list[str]:
     """Every --served-model-name (the first is the one responses carry)."""
     return list(getattr(engine.engine, "served_model_names", [engine.model_name]))
+
+
+def served_and_adapter_names(engine: AsyncLLMEngine) -> list[str]:
+    """The names a request's `model` may give: the model's, then its loaded adapters'."""
+    return served_names(engine) + [card.id for card in lora_routes.model_cards(engine)]
 
 
 def build_router(engine: AsyncLLMEngine, check_api_key: Any, keyed: bool) -> APIRouter:
@@ -43,10 +49,13 @@ def build_router(engine: AsyncLLMEngine, check_api_key: Any, keyed: bool) -> API
 
     @router.get("/v1/models/{model_id:path}", dependencies=auth, responses=documented)
     async def retrieve_model(model_id: str) -> ModelCard:
-        if model_id not in served_names(engine):
+        if model_id in served_names(engine):
+            return ModelCard(id=model_id, max_model_len=engine.max_model_len)
+        adapter = next((c for c in lora_routes.model_cards(engine) if c.id == model_id), None)
+        if adapter is None:  # unknown, or an adapter since unloaded
             raise OpenAIError(f"The model `{model_id}` does not exist.", 404, param="model",
                               code="model_not_found")
-        return ModelCard(id=model_id, max_model_len=engine.max_model_len)
+        return adapter
 
     @router.get("/tokenizer_info", dependencies=auth, responses=documented)
     async def tokenizer_info() -> dict[str, Any]:
