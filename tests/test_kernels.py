@@ -229,6 +229,12 @@ def test_decode_balance_cuts_long_contexts_only(num_heads, balance):
     run_and_compare(batch)
 
 
+def test_decode_balance_with_the_split_count_of_a_cuda_graph(balance):
+    """A graph fixes the split count from max_model_len: most splits then hold no keys."""
+    batch = make_batch(BALANCE_SEQ_LENS, [1] * 8, num_heads=4, num_kv_heads=2)
+    run_and_compare(batch, num_splits=16)
+
+
 @pytest.mark.parametrize("variant", ["sliding_window", "alibi"])
 def test_decode_balance_sliding_window_and_alibi(variant, balance):
     batch = make_batch(BALANCE_SEQ_LENS, [1] * 8, num_heads=4, num_kv_heads=2)
