@@ -5,6 +5,10 @@
 # and FP8 KV, and `nano`. Usage: OUT=logs bash scripts/gpu_31.sh
 #   GPU31_STEPS=tests,sharegpt-sort,...   a subset (default: all)
 #   GPU31_PROMPTS=1000                    --num-prompts of the sharegpt runs
+# The decode-attention split policy A/B (PAGEDLLM_DECODE_SPLIT=fill, the default, vs balance):
+#   GPU31_STEPS=kernel-tests,kernel-gpu-tests,kernel-bench      correctness on CUDA, then the
+#       kernel timings ("decode, mixed contexts": GB/s under each policy at the mix's shape)
+#   GPU31_STEPS=sharegpt-sort,sharegpt-balance,nano,nano-balance   end to end, each pair in one run
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-31-logs}
@@ -19,7 +23,7 @@ fi
 STEPS=${GPU31_STEPS:-tests,gpu-tests,sharegpt-sort,sharegpt-sortfree,sharegpt-sortfree-kv8,sharegpt-fp8-kv8,nano}
 N=${GPU31_PROMPTS:-1000}
 BENCH=(-c "import logging, sys; logging.basicConfig(level=logging.WARNING); logging.getLogger('pagedllm').setLevel(logging.INFO); from pagedllm.entrypoints.cli import main; sys.exit(main(['bench', *sys.argv[1:]]))")
-FIGURES="passed|failed|FAILED|ERROR|agreement|rows keep|chi-square|max \|fp8|^pagedllm|tok/s|_len:|sampler:|KV cache:|Traceback|Error"
+FIGURES="GB/s|passed|failed|FAILED|ERROR|agreement|rows keep|chi-square|max \|fp8|^pagedllm|tok/s|_len:|sampler:|KV cache:|Traceback|Error"
 
 # step NAME LIMIT_S SAMPLER COMMAND...: runs when NAME is in STEPS, prints its figures
 step() {
@@ -45,6 +49,14 @@ step sharegpt-sortfree-kv8 420 sortfree $PY "${BENCH[@]}" "${SG[@]}" --kv-cache-
     --out "$OUT/sharegpt-sortfree-kv8.json"
 step sharegpt-fp8-kv8 420 sortfree $PY "${BENCH[@]}" "${SG[@]}" --quantization fp8 \
     --kv-cache-dtype fp8 --out "$OUT/sharegpt-fp8-kv8.json"
+step sharegpt-balance 420 sort env PAGEDLLM_DECODE_SPLIT=balance $PY "${BENCH[@]}" "${SG[@]}" \
+    --out "$OUT/sharegpt-balance.json"
+step kernel-tests 600 sort "${PYTEST[@]}" tests/test_kernels.py
+step kernel-gpu-tests 600 sort "${PYTEST[@]}" -m cuda tests/gpu/test_parity.py \
+    tests/gpu/test_kernel_checks.py tests/gpu/test_fp8_kv_cache.py
+step kernel-bench 420 sort $PY "${BENCH[@]}" kernels
+step nano-balance 420 sort env PAGEDLLM_DECODE_SPLIT=balance $PY "${BENCH[@]}" nano --no-peer \
+    --out "$OUT/nano-balance.json"
 # nano samples at a plain temperature (no top-k / top-p / min-p): the same path either way
 step nano 420 sort $PY "${BENCH[@]}" nano --no-peer --out "$OUT/nano.json"
 rm -rf "$SITE"

@@ -208,6 +208,49 @@ def test_choose_num_splits():
     assert choose_num_splits(8192, 256, 8, cpu) == 1  # a big batch fills the GPU already
 
 
+# A batch that fills the (interpreter's 8-SM) GPU twice over: 8 sequences x 2 KV heads.
+BALANCE_SEQ_LENS = [1, 17, 32, 80, 45, 200, 5, 130]
+
+
+@pytest.fixture
+def balance(monkeypatch):
+    """Policy "balance" with slices of at least 32 keys (two 16-key tiles)."""
+    monkeypatch.setattr(triton_attention, "DECODE_SPLIT", "balance")
+    monkeypatch.setattr(triton_attention, "BALANCE_SPLIT_TOKENS", 32)
+    monkeypatch.setattr(triton_attention, "DECODE_BLOCK_N", 16)
+
+
+@pytest.mark.parametrize("num_heads", [2, 4, 8, 16], ids=["group1", "group2", "group4", "group8"])
+def test_decode_balance_cuts_long_contexts_only(num_heads, balance):
+    cpu = torch.device("cpu")
+    assert triton_attention.min_split_tiles(8, 2, cpu) == 2
+    assert choose_num_splits(200, 8, 2, cpu) == 7  # 200 keys / 32 per slice
+    batch = make_batch(BALANCE_SEQ_LENS, [1] * 8, num_heads=num_heads, num_kv_heads=2)
+    run_and_compare(batch)
+
+
+def test_decode_balance_with_the_split_count_of_a_cuda_graph(balance):
+    """A graph fixes the split count from max_model_len: most splits then hold no keys."""
+    batch = make_batch(BALANCE_SEQ_LENS, [1] * 8, num_heads=4, num_kv_heads=2)
+    run_and_compare(batch, num_splits=16)
+
+
+@pytest.mark.parametrize("variant", ["sliding_window", "alibi"])
+def test_decode_balance_sliding_window_and_alibi(variant, balance):
+    batch = make_batch(BALANCE_SEQ_LENS, [1] * 8, num_heads=4, num_kv_heads=2)
+    kwargs = {"sliding_window": 40} if variant == "sliding_window" else {"alibi": alibi_slopes(4).to(DEVICE)}
+    run_and_compare(batch, **kwargs)
+
+
+def test_decode_balance_leaves_small_batches_to_fill(balance):
+    cpu = torch.device("cpu")
+    assert triton_attention.min_split_tiles(1, 2, cpu) == 1
+    # One sequence x 8 KV heads on 8 SMs: two splits fill the GPU twice over, as under "fill".
+    assert choose_num_splits(8192, 1, 8, cpu) == 2
+    batch = make_batch([200, 3], [1, 1], num_heads=4, num_kv_heads=2)
+    run_and_compare(batch, num_splits=5)
+
+
 # --------------------------------------------------------------------------------------
 # Prefill, chunked prefill, mixed batches
 # --------------------------------------------------------------------------------------

@@ -304,6 +304,38 @@ def time_decode(device: str, batch_sizes=(1, 8, 32, 128), contexts=(1024, 4096, 
             torch.cuda.empty_cache()
 
 
+def mix_lengths(num_seqs: int, seed: int = 0, median: float = 400.0, longest: int = 3072) -> list[int]:
+    """Decode contexts of a running ShareGPT-like mix: lognormal, clipped to [16, longest]."""
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.empty(num_seqs).log_normal_(math.log(median), 0.8, generator=g)
+    return [int(min(max(x, 16), longest)) for x in raw.tolist()]
+
+
+def time_decode_mix(device: str, num_seqs: int = 256, num_heads: int = 32, head_dim: int = 128,
+                    longest: int = 3072) -> None:
+    """A full batch of mixed context lengths under each PAGEDLLM_DECODE_SPLIT policy: the
+    longest contexts set the kernel's tail unless they are cut ("balance")."""
+    shape = Shape(num_heads=num_heads, head_dim=head_dim)
+    elt = torch.finfo(shape.dtype).bits // 8
+    lens = mix_lengths(num_seqs, longest=longest)
+    batch = build_batch(lens, [1] * num_seqs, shape, device, poison=False)
+    out = torch.empty_like(batch.query)
+    moved = sum(lens) * shape.num_kv_heads * shape.head_dim * 2 * elt + 2 * batch.query.numel() * elt
+    print(f"\ndecode, mixed contexts: {num_seqs} seqs, {num_heads} q / {shape.num_kv_heads} kv heads, "
+          f"context mean {sum(lens) / num_seqs:.0f} max {max(lens)}")
+    previous = triton_attention.DECODE_SPLIT
+    try:
+        for policy in triton_attention.DECODE_SPLIT_POLICIES:
+            triton_attention.DECODE_SPLIT = policy
+            splits = choose_num_splits(max(lens), num_seqs, shape.num_kv_heads, batch.query.device)
+            ms = bench(lambda: triton_paged_attention(batch.query, batch.kv_cache, batch.meta, batch.scale, out=out))
+            gbps = moved / ms / 1e6
+            print(f"  {policy:>8}: splits {splits:>2}  {ms:.3f} ms  {gbps:.0f} GB/s  "
+                  f"{100 * gbps / H200_PEAK_GBPS:.0f}% of peak")
+    finally:
+        triton_attention.DECODE_SPLIT = previous
+
+
 def attended_keys(seq_lens, query_lens, window=None) -> int:
     total = 0
     for s, q in zip(seq_lens, query_lens):
@@ -414,10 +446,13 @@ def main(argv: list[str]) -> int:
 
     if args.smoke:  # run the timing code paths once, at toy sizes
         time_decode(device, batch_sizes=(1, 4), contexts=(40,), head_dim=head_dim)
+        time_decode_mix(device, num_seqs=20, num_heads=16, head_dim=head_dim, longest=600)
         time_prefill(device, scale_down=scale_down, head_dim=head_dim)
         time_ops(device, tokens=8)
     elif not args.checks_only:
         time_decode(device)
+        time_decode_mix(device)
+        time_decode_mix(device, num_heads=16)  # Qwen3-0.6B's 16 q / 8 kv heads
         time_prefill(device)
         time_ops(device)
         if args.tune:

@@ -7,7 +7,11 @@ through the block table):
   (sequence, KV head, split). A program serves all query heads that share its KV head, so
   each K/V tile is read once per group (GQA), and reduces one slice of the context into a
   partial (max, sum, acc). A second small kernel merges the splits. Splitting the context
-  keeps the GPU busy when there are few sequences with long contexts.
+  keeps the GPU busy when there are few sequences with long contexts. A slice holds at
+  least `min_tiles` key tiles: a sequence shorter than that is one slice, written straight
+  to the output, and the programs of slices past a sequence's end return at once. With a
+  floor of a few hundred keys, a big batch of mixed lengths (policy "balance") is cut into
+  programs of similar work, so the longest contexts no longer make the kernel's tail.
 - Everything else (prefill, chunked prefill with cached context, mixed batches): a
   flash-attention style kernel over (sequence, query tile, KV head). A tile's rows are
   (query token, head of the GQA group) pairs, so K/V is again read once per group. Causal
@@ -20,6 +24,7 @@ Grid sizes come from the host lists in the metadata; nothing here syncs with the
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -41,6 +46,15 @@ PREFILL_NUM_WARPS = 4
 PREFILL_NUM_STAGES = 2
 MAX_SPLITS = 16
 MIN_SPLIT_TOKENS = 256  # a split reduces at least this many keys
+# How decode cuts contexts into splits (PAGEDLLM_DECODE_SPLIT, read once at import):
+#   fill     split only to fill the GPU when the batch is too small to (few sequences);
+#   balance  as fill, and in a batch that fills the GPU, cut contexts longer than
+#            BALANCE_SPLIT_TOKENS into slices of at least that many keys.
+DECODE_SPLIT_POLICIES = ("fill", "balance")
+DECODE_SPLIT = os.environ.get("PAGEDLLM_DECODE_SPLIT", "fill")
+if DECODE_SPLIT not in DECODE_SPLIT_POLICIES:
+    raise ValueError(f"PAGEDLLM_DECODE_SPLIT must be one of {DECODE_SPLIT_POLICIES}, got {DECODE_SPLIT!r}")
+BALANCE_SPLIT_TOKENS = 512
 
 
 # --------------------------------------------------------------------------------------
@@ -88,10 +102,26 @@ def _online_softmax_step(
 
 
 @triton.jit
+def _split_range(seq_len, sliding_window, min_tiles,
+                 BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr):
+    """(first key, first tile, tiles per split, splits with keys) of one sequence's context.
+
+    The decode and merge kernels both call this, so they agree on which splits hold keys.
+    """
+    kv_lo = 0
+    if USE_WINDOW:
+        kv_lo = tl.maximum(seq_len - sliding_window, 0)
+    first_tile = kv_lo // BLOCK_N
+    num_tiles = tl.cdiv(seq_len, BLOCK_N) - first_tile  # >= 1: the query's own key is there
+    tiles_per_split = tl.maximum(tl.cdiv(num_tiles, NUM_SPLITS), min_tiles)
+    return kv_lo, first_tile, num_tiles, tiles_per_split, tl.cdiv(num_tiles, tiles_per_split)
+
+
+@triton.jit
 def _paged_decode_kernel(
     out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, alibi_ptr,
-    qk_scale, sliding_window, num_heads,
+    qk_scale, sliding_window, num_heads, min_tiles,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c_kv, stride_c_block, stride_c_offset, stride_c_head, stride_bt,
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
@@ -107,6 +137,11 @@ def _paged_decode_kernel(
     seq = tl.program_id(0)  # decode: token index == sequence index
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    kv_lo, first_tile, num_tiles, tiles_per_split, num_active = _split_range(
+        seq_len, sliding_window, min_tiles, BLOCK_N, NUM_SPLITS, USE_WINDOW)
+    if split >= num_active:
+        return  # past this sequence's context: the merge reads only the first num_active
 
     rows = tl.arange(0, GROUP_PAD)
     row_valid = rows < GROUP
@@ -117,15 +152,8 @@ def _paged_decode_kernel(
         mask=row_valid[:, None], other=0.0,
     )
 
-    seq_len = tl.load(seq_lens_ptr + seq)
     q_pos = seq_len - 1
-    kv_lo = 0
-    if USE_WINDOW:
-        kv_lo = tl.maximum(seq_len - sliding_window, 0)
-    # This split's share of the key tiles [first_tile, last_tile).
-    first_tile = kv_lo // BLOCK_N
-    num_tiles = tl.cdiv(seq_len, BLOCK_N) - first_tile
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    # This split's share of the key tiles [tile_lo, tile_hi).
     tile_lo = first_tile + split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, first_tile + num_tiles)
 
@@ -151,14 +179,13 @@ def _paged_decode_kernel(
             q, k, v, kv_mask[None, :], bias, m_i, l_i, acc, qk_scale, USE_ALIBI, DOT_PRECISION,
         )
 
-    if NUM_SPLITS == 1:
+    if num_active == 1:  # the whole context in this program: the merge skips this sequence
         out = acc / tl.where(row_valid, l_i, 1.0)[:, None]
         tl.store(
             out_ptr + seq * stride_ot + heads[:, None] * stride_oh + dims[None, :],
             out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None],
         )
     else:
-        # An empty split leaves (m, l, acc) = (-1e30, 0, 0): its merge weight is 0.
         part = (seq * num_heads + heads) * NUM_SPLITS + split
         tl.store(part_m_ptr + part, m_i, mask=row_valid)
         tl.store(part_l_ptr + part, l_i, mask=row_valid)
@@ -168,13 +195,19 @@ def _paged_decode_kernel(
 @triton.jit
 def _merge_splits_kernel(
     out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-    num_heads, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    seq_lens_ptr, sliding_window, min_tiles, num_heads, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, USE_WINDOW: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    _, _, _, _, num_active = _split_range(
+        seq_len, sliding_window, min_tiles, BLOCK_N, NUM_SPLITS, USE_WINDOW)
+    if num_active == 1:
+        return  # the decode kernel wrote this sequence's output
     splits = tl.arange(0, SPLITS_PAD)
-    split_mask = splits < NUM_SPLITS
+    split_mask = splits < num_active
     dims = tl.arange(0, HEAD_DIM)
     part = (seq * num_heads + head) * NUM_SPLITS + splits
 
@@ -286,7 +319,22 @@ def choose_num_splits(max_seq_len: int, num_seqs: int, num_kv_heads: int, device
     """
     by_length = triton.cdiv(max_seq_len, MIN_SPLIT_TOKENS)
     by_occupancy = triton.cdiv(2 * _num_sms(device), max(1, num_seqs * num_kv_heads))
+    if _balances(num_seqs, num_kv_heads, device):
+        return max(1, min(MAX_SPLITS, triton.cdiv(max_seq_len, BALANCE_SPLIT_TOKENS)))
     return max(1, min(MAX_SPLITS, by_length, by_occupancy))
+
+
+def _balances(num_seqs: int, num_kv_heads: int, device: torch.device) -> bool:
+    """Policy "balance" and a batch that fills the GPU twice over without splitting."""
+    return DECODE_SPLIT == "balance" and num_seqs * num_kv_heads >= 2 * _num_sms(device)
+
+
+def min_split_tiles(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+    """The fewest key tiles a decode split takes: BALANCE_SPLIT_TOKENS' worth when balancing,
+    else one (a few sequences' contexts are spread over as many programs as asked)."""
+    if _balances(num_seqs, num_kv_heads, device):
+        return max(1, BALANCE_SPLIT_TOKENS // DECODE_BLOCK_N)
+    return 1
 
 
 def _check_inputs(
@@ -425,15 +473,19 @@ def _decode(out, query, kv_cache, meta, alibi_arg, num_splits, common) -> None:
         part_m, part_l, part_acc = _partial_buffers(num_seqs, num_heads, num_splits, head_dim, query.device)
 
     group_pad = max(16, triton.next_power_of_2(common["GROUP"]))
+    # A function of the batch size only, as num_splits is: a CUDA graph replays it fixed.
+    min_tiles = min_split_tiles(num_seqs, num_kv_heads, query.device)
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         out, part_m, part_l, part_acc,
         query, kv_cache, meta.block_tables, meta.seq_lens, alibi_arg,
-        num_heads=num_heads, GROUP_PAD=group_pad, BLOCK_N=DECODE_BLOCK_N, NUM_SPLITS=num_splits,
-        num_warps=DECODE_NUM_WARPS, num_stages=2, **common,
+        num_heads=num_heads, min_tiles=min_tiles, GROUP_PAD=group_pad, BLOCK_N=DECODE_BLOCK_N,
+        NUM_SPLITS=num_splits, num_warps=DECODE_NUM_WARPS, num_stages=2, **common,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
-            out, part_m, part_l, part_acc, num_heads, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            out, part_m, part_l, part_acc, meta.seq_lens, common["sliding_window"], min_tiles,
+            num_heads, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_N=DECODE_BLOCK_N, NUM_SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits), USE_WINDOW=common["USE_WINDOW"],
             num_warps=4,
         )
