@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +18,7 @@ from pagedllm.engine.config_resolver import (
 )
 from pagedllm.engine_args import EngineArgs
 from pagedllm.loader import default_model_path, resolve
+from tests.dist_helpers import free_port, run_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -109,12 +108,6 @@ llm.engine.shutdown()
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_tensor_parallel_rank_1_never_loads_a_tokenizer(tmp_path):
     """A tiny model with the default model's tokenizer, at two ranks on gloo: rank 0's
     engine tokenizes and generates; rank 1 loads no tokenizer, and its worker stops on the
@@ -125,24 +118,14 @@ def test_tensor_parallel_rank_1_never_loads_a_tokenizer(tmp_path):
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
         eos_token_id=7), dtype=torch.float32)
     hf.save_pretrained(tmp_path, safe_serialization=True)
-    port = str(_free_port())
-    procs = []
-    for rank, script in ((0, RANK_0), (1, RANK_1)):
-        env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", WORLD_SIZE="2",
-                   RANK=str(rank), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        procs.append(subprocess.Popen(
-            [sys.executable, "-c", script, str(tmp_path), default_model_path()], cwd=REPO,
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    try:
-        results = [p.communicate(timeout=300) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for p, (_, err) in zip(procs, results):
-        assert p.returncode == 0, err[-3000:]
-    line = next(x for x in results[0][0].splitlines() if x.startswith("RESULT "))
+    port = str(free_port())
+    envs = [dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", WORLD_SIZE="2",
+                 RANK=str(rank), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=port) for rank in (0, 1)]
+    stdouts = run_ranks([[sys.executable, "-c", script, str(tmp_path), default_model_path()]
+                         for script in (RANK_0, RANK_1)], envs)
+    line = next(x for x in stdouts[0].splitlines() if x.startswith("RESULT "))
     eos_ids, tokenizer_eos, num_tokens = json.loads(line.removeprefix("RESULT "))
     assert tokenizer_eos != 7 and eos_ids == sorted({7, tokenizer_eos}) and num_tokens == 4
-    shown = next(x for x in results[1][0].splitlines() if x.startswith("EOS "))
+    shown = next(x for x in stdouts[1].splitlines() if x.startswith("EOS "))
     assert shown == f"EOS {eos_ids!r}"

@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import socket
-import subprocess
 import sys
 import time
 import types
@@ -26,6 +24,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.config import ModelConfig
 from pagedllm.distributed.parallel_state import check_tp_size
 from pagedllm.engine_args import EngineArgs
+from tests.dist_helpers import free_port, run_ranks
 from tests.prompts import mixed_prompts
 
 REPO = Path(__file__).resolve().parents[1]
@@ -187,37 +186,21 @@ def test_refusal_reaches_the_caller_without_a_hang(tmp_path):
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("pagedllm-tp")]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("family", ["llama"], indirect=True)
 def test_two_nodes_started_by_torchrun(family):
     """Two `torchrun --nnodes 2 --nproc-per-node 1` launches on localhost, as two machines
     would run them: rank 0's greedy tokens are the one-rank run's."""
     path, prompts, reference = family
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    nodes = [
-        subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-             "--nproc-per-node", "1", "--node-rank", str(rank), "--master-addr", "127.0.0.1",
-             "--master-port", str(port), "tests/tp_generate.py", path],
-            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for rank in (0, 1)
-    ]
-    try:
-        results = [node.communicate(timeout=300) for node in nodes]
-    finally:
-        for node in nodes:
-            node.kill()
-    for node, (_, err) in zip(nodes, results):
-        assert node.returncode == 0, err[-3000:]
-    line = next(x for x in results[0][0].splitlines() if x.startswith("TOKENS "))
+    commands = [[sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                 "--nproc-per-node", "1", "--node-rank", str(rank), "--master-addr",
+                 "127.0.0.1", "--master-port", str(port), "tests/tp_generate.py", path]
+                for rank in (0, 1)]
+    stdouts = run_ranks(commands, [env, env])
+    line = next(x for x in stdouts[0].splitlines() if x.startswith("TOKENS "))
     tokens = json.loads(line.removeprefix("TOKENS "))
-    assert not any(x.startswith("TOKENS ") for x in results[1][0].splitlines())
+    assert not any(x.startswith("TOKENS ") for x in stdouts[1].splitlines())
     outputs = [types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=t)])
                for t in tokens]
     assert_same_greedy(reference, outputs)

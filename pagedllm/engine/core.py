@@ -96,7 +96,6 @@ class EngineCore:
         self.model_name = self.served_model_names[0]
         self.max_model_len = info.max_model_len
         self.block_size = args.block_size
-        self.scheduler = self._make_scheduler(args, info)
         self.eos_token_ids = set(info.eos_token_ids)
         self.requests: dict[str, SequenceGroup] = {}
         self._seq_ids = itertools.count()
@@ -107,25 +106,25 @@ class EngineCore:
             else args.async_scheduling
         self.batch_builder = StepBatchBuilder()
         self._in_flight: _InFlight | None = None
-        self.speculative_config = args.speculative_config
-        self.speculator = Speculator(args.speculative_config, self.scheduler,
-                                     self.max_model_len, info.on_cuda)
         self.spec_stats = SpecStats()
         # Grammar matchers of requests with structured_outputs (engine/structured_output.py).
         self.structured = StructuredOutputManager(
             self.tokenizer, list(info.eos_token_ids), self.model_config.vocab_size,
             pin_masks=info.on_cuda)
         self.grammar = GrammarSteps(self.structured, info.defers_token_bitmask)
-        self.scheduler.updater = SequenceUpdater(
-            self.scheduler, self.batch_builder, self.structured, self.eos_token_ids,
-            self._seq_ids, self.spec_stats)
+        self.lora_slots = LoRASlots(args.max_loras) if args.enable_lora else None
+        self.scheduler = self._make_scheduler(args, info, SequenceUpdater(
+            self.batch_builder, self.structured, self.eos_token_ids, self._seq_ids,
+            self.spec_stats))
+        self.speculative_config = args.speculative_config
+        self.speculator = Speculator(args.speculative_config, self.scheduler,
+                                     self.max_model_len, info.on_cuda)
         self.output_processor = OutputProcessor(self.scheduler, self.tokenizer)
         self.detokenizer = self.output_processor.detokenizer
         self.loras = LoRAAdapters(self.worker, args.enable_lora)
-        self.lora_slots = self.scheduler.lora_slots = \
-            LoRASlots(args.max_loras) if args.enable_lora else None
 
-    def _make_scheduler(self, args: EngineArgs, info: WorkerInfo) -> Scheduler:
+    def _make_scheduler(self, args: EngineArgs, info: WorkerInfo,
+                        updater: SequenceUpdater) -> Scheduler:
         self.cache_config = CacheConfig(
             block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching)
         self.scheduler_config = SchedulerConfig(
@@ -136,7 +135,7 @@ class EngineCore:
             preemption_mode=args.preemption_mode,
         )
         return Scheduler(self.scheduler_config, self.cache_config, info.num_gpu_blocks,
-                         info.num_cpu_blocks)
+                         info.num_cpu_blocks, updater, self.lora_slots)
 
     @property
     def stream_outputs(self) -> bool:

@@ -96,7 +96,14 @@ class Scheduler:
         cache_config: CacheConfig,
         num_gpu_blocks: int,
         num_cpu_blocks: int,
+        updater=None,
+        lora_slots: LoRASlots | None = None,
     ) -> None:
+        """`updater`: a SequenceUpdater (engine/scheduler_update.py, which imports this
+        module, hence no annotation), the engine's pieces a step's tokens reach; without one
+        (a scheduler alone, in tests and benchmarks) it schedules but cannot
+        `update_from_output`. `lora_slots`: with LoRA, a group is admitted only once its
+        adapter has a slot (engine/lora_slots.py)."""
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
@@ -112,12 +119,10 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._groups: dict[str, SequenceGroup] = {}  # request_id -> group
         self._group_of_seq: dict[int, SequenceGroup] = {}
-        # LoRA (engine/lora_slots.py): a group is admitted only once its adapter has a slot.
-        self.lora_slots: LoRASlots | None = None
-        # What a step's tokens reach beyond the scheduler: a SequenceUpdater
-        # (engine/scheduler_update.py, which imports this module, hence no annotation), set
-        # by the engine and needed only by `update_from_output`.
-        self.updater = None
+        self.lora_slots = lora_slots
+        self.updater = updater
+        if updater is not None:
+            updater.bind(self)
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -179,6 +184,9 @@ class Scheduler:
         """A step's samples into its sequences, the one place: append, mark computed, the
         token-level stops, free the finished. Returns the StepUpdate the output processor
         reads (engine/scheduler_update.py)."""
+        if self.updater is None:
+            raise ValueError("this scheduler was made without an updater: it schedules but "
+                             "cannot update from a step's output")
         return self.updater.update(out, result)
 
     def finish_on_stop_string(self, seq: Sequence, stop: str, output_len: int,

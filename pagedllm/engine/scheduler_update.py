@@ -86,14 +86,21 @@ class SequenceUpdater:
     """`Scheduler.update_from_output`: the engine's pieces a step's tokens reach (the batch
     builder's per-sequence state, the grammars, the fork ids, the speculation counters)."""
 
-    def __init__(self, scheduler: Scheduler, batch_builder: StepBatchBuilder,
-                 structured: StructuredOutputManager, eos_token_ids: set[int],
-                 seq_ids: Iterator[int], spec_stats: SpecStats) -> None:
-        self.scheduler, self.batch_builder, self.structured = scheduler, batch_builder, structured
+    def __init__(self, batch_builder: StepBatchBuilder, structured: StructuredOutputManager,
+                 eos_token_ids: set[int], seq_ids: Iterator[int], spec_stats: SpecStats) -> None:
+        self.batch_builder, self.structured = batch_builder, structured
         self.eos_token_ids = eos_token_ids
-        self.max_model_len = scheduler.scheduler_config.max_model_len
         self.seq_ids = seq_ids  # the engine's: forks take their ids from it
         self.spec_stats = spec_stats
+        self.scheduler: Scheduler | None = None
+
+    def bind(self, scheduler: Scheduler) -> None:
+        """The scheduler this updater serves: the one it is given to when made
+        (Scheduler(..., updater)); one updater, one scheduler."""
+        if self.scheduler is not None:
+            raise ValueError("this updater serves another scheduler already")
+        self.scheduler = scheduler
+        self.max_model_len = scheduler.scheduler_config.max_model_len
 
     def update(self, out: SchedulerOutput, result: StepResult) -> StepUpdate:
         update = StepUpdate()
