@@ -96,16 +96,17 @@ def test_graph_lora_forward_matches_the_eager_torch_path():
     positions = [n - 1 for n in seq_lens]
     slots = [t[p // block_size] * block_size + p % block_size for t, p in zip(tables, positions)]
     meta = PagedAttentionInputMetadata.build(positions, slots, [1] * 4, seq_lens, tables)
+    cpu = torch.device("cpu")
     with torch.inference_mode(), lora_rows(lora_slots):
-        expected = model(torch.tensor(ids), [x.clone() for x in caches], {torch.device("cpu"): meta})
+        expected = model(torch.tensor(ids), [x.clone() for x in caches], {cpu: meta})
     with torch.inference_mode():
-        base = model(torch.tensor(ids), [x.clone() for x in caches], {torch.device("cpu"): meta})
+        base = model(torch.tensor(ids), [x.clone() for x in caches], {cpu: meta})
     graphs = make_graphs(model, c, max_num_seqs=8, max_model_len=64, block_size=block_size)
-    graphs.lora = lora_layer.StaticLoRARows([torch.device("cpu")], graphs.max_batch_size, 3)
+    graphs.lora = lora_layer.StaticLoRARows([cpu], graphs.max_batch_size, 3)
     bucket = graphs.load_inputs(ids + [9], positions + [0], slots + [-1], seq_lens + [1],
                                 tables + [[0]], lora_slots=torch.tensor([2, -1, 0, 2, 1]))
     assert bucket == 8
-    assert graphs.lora.starts[torch.device("cpu")].tolist() == [4, 5, 6, 8]  # 3 padding rows
+    assert graphs.lora.starts[cpu].tolist() == [4, 5, 6, 8]  # 3 padding rows
     with torch.inference_mode():
         got = graphs._forward(bucket, [x.clone() for x in caches], lora=True)
     torch.testing.assert_close(got[:4], expected, rtol=1e-4, atol=1e-4)
