@@ -106,8 +106,8 @@ def _block_r(rank: int) -> int:
     return max(16, triton.next_power_of_2(rank))  # tl.dot's smallest
 
 
-def _precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"  # fp32 stays fp32 (the oracle's)
+def _precision(dtype: torch.dtype) -> str | None:
+    return "ieee" if dtype == torch.float32 else None  # fp32 stays fp32 (the oracle's)
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, perm: torch.Tensor,
