@@ -8,7 +8,8 @@ without adapters (base rows: CUDA graphs as usual) and with them.
               spread round-robin over the adapters: output tokens/s
   decode      one request of --decode-len tokens: tokens/s, with and without an adapter
 
-It prints one JSON line per run and the ratios (with / without).
+It prints one JSON line per run and the ratios (with / without). Decode steps with adapter
+rows replay the decode graphs' LoRA set; PAGEDLLM_LORA_GRAPHS=0 runs them eager (the A/B).
 """
 from __future__ import annotations
 

@@ -1,13 +1,23 @@
-"""LoRA on CUDA as a kernel pair over the flat batch, each token row reading its own
-adapter slot (Punica/S-LoRA's shrink and expand, one row a program):
+"""LoRA on CUDA as a kernel pair over the flat batch, rows grouped by adapter slot on the
+device (Punica's SGMV: segmented shrink and expand):
 
-    shrink:  y[t, :]        = x[t, :] . A[slot[t]]^T          y [tokens, R] fp32
-    expand:  out[t, cols]  += y[t, :] . B[slot[t]]^T          into a column range of out
+    shrink:  y[t, p*BR:(p+1)*BR]  = x[t, :] . A[s, p*R:(p+1)*R]^T     for every part p
+    expand:  out[t, n]           += y[t, part(n)*BR:...] . B[s, n]^T   over all parts' columns
 
-slot[t] < 0 (a base-model row) skips the row. The slots live on the device, so the pair
-needs no host-side grouping and keeps the same launch shape for any mix of adapters (what
-a CUDA graph needs). Rows of one adapter read the same A/B slot, which stays in L2 across
-them. Ranks are the pool's padded rank R (zero past an adapter's own). Runs under
+with s the slot of row t. One shrink and one expand per projection cover all its fused
+parts (q|k|v share x): A is the parts' A stacked [slots, parts*R, K], B their B stacked
+[slots, N, R] with part p owning columns [ends[p-1], ends[p]).
+
+The rows come as segments: `perm` holds the row indices sorted by slot and slot s's rows
+are perm[starts[s]:starts[s+1]] (layers/lora.segments); base-model rows are in no segment
+and are left alone. A program takes BLOCK_M rows of one segment, so A/B tiles are read
+once per BLOCK_M rows (tl.dot), and the grid (slots, cdiv(rows, BLOCK_M), ...) depends on
+the row count only: programs past their segment's end do nothing. Nothing is decided on
+the host from the slot values, which is what a CUDA graph needs (perm and starts live in
+static buffers there). The shrink splits K over programs (fp32 atomics into a zeroed y)
+so a batch of one row still fills the GPU.
+
+Ranks are the pool's padded rank R (zero past an adapter's own). Runs under
 TRITON_INTERPRET=1 on the CPU for the tests; layers/lora.py holds the torch oracle.
 """
 from __future__ import annotations
@@ -16,63 +26,125 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _shrink_kernel(y_ptr, x_ptr, a_ptr, slot_ptr, K, stride_x, stride_as, stride_ar,
-                   R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    t = tl.program_id(0)
-    slot = tl.load(slot_ptr + t)
-    rr = tl.arange(0, BLOCK_R)
-    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    if slot >= 0:
-        a_rows = a_ptr + slot.to(tl.int64) * stride_as + rr[:, None] * stride_ar
-        for k0 in range(0, K, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + t.to(tl.int64) * stride_x + rk, mask=rk < K, other=0.0)
-            a = tl.load(a_rows + rk[None, :], mask=(rr[:, None] < R) & (rk[None, :] < K),
-                        other=0.0)
-            acc += tl.sum(a.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-    tl.store(y_ptr + t * BLOCK_R + rr, acc)
+MAX_PARTS = 3  # q|k|v
+BLOCK_K = 64
+K_PER_PROGRAM = 512  # the shrink's split of K
 
 
 @triton.jit
-def _expand_kernel(out_ptr, y_ptr, b_ptr, slot_ptr, N, col0, stride_o, stride_bs, stride_bn,
-                   R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
-    t = tl.program_id(0)
-    slot = tl.load(slot_ptr + t)
-    if slot >= 0:
-        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+def _segment_rows(perm_ptr, starts_ptr, BLOCK_M: tl.constexpr):
+    """This program's rows: BLOCK_M positions of slot program_id(0)'s segment (row indices,
+    which are valid, and whether the tile has any)."""
+    s = tl.program_id(0)
+    begin = tl.load(starts_ptr + s) + tl.program_id(1) * BLOCK_M
+    end = tl.load(starts_ptr + s + 1)
+    rm = begin + tl.arange(0, BLOCK_M)
+    valid = rm < end
+    rows = tl.load(perm_ptr + rm, mask=valid, other=0).to(tl.int64)
+    return rows, valid, begin < end
+
+
+@triton.jit
+def _shrink_kernel(y_ptr, x_ptr, a_ptr, perm_ptr, starts_ptr, K, k_per_program, stride_x,
+                   stride_y, stride_as, stride_ar, R: tl.constexpr, SPLIT_K: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    rows, valid, any_rows = _segment_rows(perm_ptr, starts_ptr, BLOCK_M)
+    if any_rows:
+        s = tl.program_id(0).to(tl.int64)
+        part = tl.program_id(2) // SPLIT_K
+        k_begin = (tl.program_id(2) % SPLIT_K) * k_per_program
         rr = tl.arange(0, BLOCK_R)
-        y = tl.load(y_ptr + t * BLOCK_R + rr)
-        b = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + rn[:, None] * stride_bn
-                    + rr[None, :], mask=(rn[:, None] < N) & (rr[None, :] < R), other=0.0)
-        delta = tl.sum(b.to(tl.float32) * y[None, :], axis=1)
-        o_ptrs = out_ptr + t.to(tl.int64) * stride_o + col0 + rn
-        o = tl.load(o_ptrs, mask=rn < N, other=0.0)
-        tl.store(o_ptrs, (o.to(tl.float32) + delta).to(o.dtype), mask=rn < N)
+        a_cols = a_ptr + s * stride_as + (part * R + rr)[None, :] * stride_ar  # [1, BR]
+        x_rows = x_ptr + rows[:, None] * stride_x  # [BM, 1]
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for k0 in range(k_begin, k_begin + k_per_program, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            k_ok = rk < K
+            x = tl.load(x_rows + rk[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+            a = tl.load(a_cols + rk[:, None], mask=k_ok[:, None] & (rr[None, :] < R),
+                        other=0.0)
+            acc = tl.dot(x, a, acc, input_precision=PRECISION)
+        y_ptrs = y_ptr + rows[:, None] * stride_y + part * BLOCK_R + rr[None, :]
+        if SPLIT_K == 1:
+            tl.store(y_ptrs, acc, mask=valid[:, None])
+        else:
+            tl.atomic_add(y_ptrs, acc, mask=valid[:, None], sem="relaxed")
 
 
-def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """x [T, K], lora_a [slots, R, K], slots [T] int64 -> y [T, BLOCK_R] fp32 (the ranks
-    past R are zero; rows of slot -1 are zero)."""
+@triton.jit
+def _expand_kernel(out_ptr, y_ptr, b_ptr, perm_ptr, starts_ptr, N, end0, end1, stride_o,
+                   stride_y, stride_bs, stride_bn, R: tl.constexpr, PARTS: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    rows, valid, any_rows = _segment_rows(perm_ptr, starts_ptr, BLOCK_M)
+    if any_rows:
+        s = tl.program_id(0).to(tl.int64)
+        rn = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rr = tl.arange(0, BLOCK_R)
+        part = (rn >= end0).to(tl.int32) + (rn >= end1).to(tl.int32)  # [BN]
+        b_ptrs = b_ptr + s * stride_bs + rn[None, :] * stride_bn + rr[:, None]  # [BR, BN]
+        b_ok = (rn[None, :] < N) & (rr[:, None] < R)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for p in tl.static_range(PARTS):
+            # each column takes its own part's ranks: B is zero outside part p here
+            b = tl.load(b_ptrs, mask=b_ok & (part[None, :] == p), other=0.0)
+            y = tl.load(y_ptr + rows[:, None] * stride_y + p * BLOCK_R + rr[None, :],
+                        mask=valid[:, None], other=0.0)
+            acc = tl.dot(y.to(b.dtype), b, acc, input_precision=PRECISION)
+        o_ptrs = out_ptr + rows[:, None] * stride_o + rn[None, :]
+        o_ok = valid[:, None] & (rn[None, :] < N)
+        o = tl.load(o_ptrs, mask=o_ok, other=0.0)
+        tl.store(o_ptrs, (o.to(tl.float32) + acc).to(o.dtype), mask=o_ok)
+
+
+def _block_m(num_rows: int) -> int:
+    return 16 if num_rows <= 32 else 64
+
+
+def _block_r(rank: int) -> int:
+    return max(16, triton.next_power_of_2(rank))  # tl.dot's smallest
+
+
+def _precision(dtype: torch.dtype) -> str | None:
+    return "ieee" if dtype == torch.float32 else None  # fp32 stays fp32 (the oracle's)
+
+
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, perm: torch.Tensor,
+                starts: torch.Tensor, num_parts: int) -> torch.Tensor:
+    """x [T, K] (rows contiguous), lora_a [slots, parts*R, K] contiguous, perm [T] and
+    starts [slots + 1] int64 -> y [T, parts*BR] fp32, BR = R padded to a power of two >= 16
+    (columns past R are zero; rows in no segment are zero)."""
     num_tokens, k = x.shape
-    rank = lora_a.shape[1]
-    block_r = triton.next_power_of_2(rank)
-    y = torch.empty(num_tokens, block_r, dtype=torch.float32, device=x.device)
+    rank = lora_a.shape[1] // num_parts
+    block_r, block_m = _block_r(rank), _block_m(num_tokens)
+    split_k = triton.cdiv(k, K_PER_PROGRAM)
+    y = torch.zeros(num_tokens, num_parts * block_r, dtype=torch.float32, device=x.device)
     if num_tokens:
-        _shrink_kernel[(num_tokens,)](y, x, lora_a, slots, k, x.stride(0), lora_a.stride(0),
-                                      lora_a.stride(1), R=rank, BLOCK_R=block_r,
-                                      BLOCK_K=min(256, triton.next_power_of_2(k)))
+        grid = (lora_a.shape[0], triton.cdiv(num_tokens, block_m), num_parts * split_k)
+        _shrink_kernel[grid](
+            y, x, lora_a, perm, starts, k, K_PER_PROGRAM, x.stride(0), y.stride(0),
+            lora_a.stride(0), lora_a.stride(1), R=rank, SPLIT_K=split_k, BLOCK_M=block_m,
+            BLOCK_R=block_r, BLOCK_K=BLOCK_K, PRECISION=_precision(x.dtype))
     return y
 
 
-def lora_expand(out: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, slots: torch.Tensor,
-                col0: int = 0) -> None:
-    """out[:, col0:col0 + N] += y . lora_b[slot]^T in place; lora_b [slots, N, R]."""
-    num_tokens = out.shape[0]
-    n, rank = lora_b.shape[1], lora_b.shape[2]
-    block_n = min(128, triton.next_power_of_2(n))
+def lora_expand(out: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, perm: torch.Tensor,
+                starts: torch.Tensor, part_ends: list[int]) -> None:
+    """out[t] += y[t] . lora_b[slot(t)]^T in place for every row in a segment; lora_b
+    [slots, N, R] contiguous, its columns split into parts ending at `part_ends` (the
+    last is N), part p reading y's p-th block of ranks."""
+    num_tokens, n = out.shape[0], lora_b.shape[1]
+    parts = len(part_ends)
+    if not 1 <= parts <= MAX_PARTS or part_ends[-1] != n:
+        raise ValueError(f"part ends {part_ends} do not split {n} columns into 1..{MAX_PARTS}")
+    ends = list(part_ends[:-1]) + [n] * (MAX_PARTS - parts + 1)
+    block_m = _block_m(num_tokens)
+    block_n = 128 if block_m == 16 else 64
     if num_tokens:
-        _expand_kernel[(num_tokens, triton.cdiv(n, block_n))](
-            out, y, lora_b, slots, n, col0, out.stride(0), lora_b.stride(0), lora_b.stride(1),
-            R=rank, BLOCK_R=y.shape[1], BLOCK_N=block_n)
+        grid = (lora_b.shape[0], triton.cdiv(num_tokens, block_m), triton.cdiv(n, block_n))
+        _expand_kernel[grid](
+            out, y, lora_b, perm, starts, n, ends[0], ends[1], out.stride(0), y.stride(0),
+            lora_b.stride(0), lora_b.stride(1), R=lora_b.shape[2], PARTS=parts,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=y.shape[1] // parts,
+            PRECISION=_precision(lora_b.dtype))

@@ -18,10 +18,15 @@ adapter pool (pagedllm/lora/weights.py), one per fused part (q|k|v, gate|up), wi
 adapter's scale folded into B and ranks zero-padded to max_lora_rank.
 
 The torch path groups rows by slot (rows of the base skip it); it runs on any device and
-is the oracle of the Triton pair (kernels/triton_lora.py: shrink and expand, each row
-reading its slot from a device tensor), which CUDA inputs take unless
-PAGEDLLM_LORA_TRITON=0. Neither is in the decode CUDA graphs yet: a step with adapter rows
-runs eager (worker/model_runner.uses_graph).
+is the oracle of the Triton pair (kernels/triton_lora.py: one segmented shrink and one
+expand per projection for all its parts, rows sorted by slot on the device), which CUDA
+inputs take unless PAGEDLLM_LORA_TRITON=0. The pair reads the parts' A and B stacked, so
+the layer holds them stacked and the per-part tensors are views of them.
+
+Inside a decode CUDA graph the rows are a StaticLoRARows: device buffers of the sorted
+rows and the slots' segment starts that the runner fills before each replay; the graph
+launches the pair on every adapted projection, whatever the step's slots (a slot's zero
+B adds nothing), since nothing host-side may pick kernels inside a graph.
 """
 from __future__ import annotations
 
@@ -35,6 +40,15 @@ import torch
 USE_TRITON = os.environ.get("PAGEDLLM_LORA_TRITON", "1") != "0"
 
 
+def segments(slots: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host rows grouped by slot for the Triton pair: perm, the row indices sorted by slot
+    (stable, base rows first), and starts [num_slots + 1]: slot s's rows are
+    perm[starts[s]:starts[s + 1]]."""
+    ordered, perm = torch.sort(slots, stable=True)
+    starts = torch.searchsorted(ordered, torch.arange(num_slots + 1, dtype=slots.dtype))
+    return perm, starts
+
+
 @dataclass
 class LoRARows:
     """The adapter slot of each token row of one forward, grouped once for all layers."""
@@ -42,8 +56,8 @@ class LoRARows:
     slots: torch.Tensor  # [num_tokens] int64 on the CPU, -1 = the base model
     # (slot, its row indices), slots >= 0 only; indices None: the slot has every row
     groups: list[tuple[int, torch.Tensor | None]]
-    _on_device: dict[torch.device, list[tuple[int, torch.Tensor | None]]] = field(
-        default_factory=dict)
+    _on_device: dict = field(default_factory=dict)
+    static = False  # a graph's rows (StaticLoRARows) launch on every projection
 
     @classmethod
     def build(cls, slots: torch.Tensor | list[int]) -> "LoRARows":
@@ -53,12 +67,17 @@ class LoRARows:
             return cls(slots, [(values[0], None)] if values[0] >= 0 else [])
         return cls(slots, [(s, (slots == s).nonzero().view(-1)) for s in values if s >= 0])
 
-    def slots_on(self, device: torch.device) -> torch.Tensor:
-        """The per-row slots on `device` (moved once per device)."""
-        key = ("slots", device)
+    @property
+    def has_adapters(self) -> bool:
+        return bool(self.groups)
+
+    def segments_on(self, device: torch.device, num_slots: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """perm and starts (`segments`) on `device`, made once per device."""
+        key = ("segments", device, num_slots)
         if key not in self._on_device:
-            self._on_device[key] = self.slots.to(device)  # type: ignore[index]
-        return self._on_device[key]  # type: ignore[index]
+            self._on_device[key] = tuple(t.to(device) for t in segments(self.slots, num_slots))
+        return self._on_device[key]
 
     def groups_on(self, device: torch.device) -> list[tuple[int, torch.Tensor | None]]:
         """The groups with their row indices on `device` (moved once per device)."""
@@ -68,17 +87,58 @@ class LoRARows:
         return self._on_device[device]
 
 
-_current: LoRARows | None = None
+class StaticLoRARows:
+    """The rows of a captured decode graph: per device, a sorted-rows buffer [max_rows] and
+    a segment-starts buffer [num_slots + 1] (int64) that the graph's LoRA kernels read;
+    `load` fills them with a step's slots before a replay. `num_rows`: the bucket being
+    captured or replayed (its rows are the buffers' first num_rows)."""
+
+    static = True
+    has_adapters = True
+
+    def __init__(self, devices: list[torch.device], max_rows: int, num_slots: int) -> None:
+        self.num_slots, self.num_rows = num_slots, max_rows
+        i64 = dict(dtype=torch.int64)
+        self.perm = {d: torch.zeros(max_rows, device=d, **i64) for d in devices}
+        self.starts = {d: torch.zeros(num_slots + 1, device=d, **i64) for d in devices}
+        self.loaded: tuple[object, int] | None = None  # (the slots last loaded, bucket)
+
+    def segments_on(self, device: torch.device, num_slots: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if num_slots != self.num_slots:
+            raise ValueError(f"a projection has {num_slots} LoRA slots, the graphs "
+                             f"{self.num_slots}")
+        return self.perm[device][: self.num_rows], self.starts[device]
+
+    def load(self, slots: torch.Tensor, bucket: int) -> None:
+        """Copy a step's per-row slots (host int64, -1 = base), padded with -1 to `bucket`
+        rows, into every device's buffers as segments; the same tensor again is a no-op."""
+        if self.loaded is not None and self.loaded[0] is slots and self.loaded[1] == bucket:
+            return
+        padded = torch.full((bucket,), -1, dtype=torch.int64)
+        padded[: len(slots)] = slots
+        perm, starts = segments(padded, self.num_slots)
+        for d in self.perm:
+            pin = d.type == "cuda"
+            src = [t.pin_memory() if pin else t for t in (perm, starts)]
+            self.perm[d][:bucket].copy_(src[0], non_blocking=pin)
+            self.starts[d].copy_(src[1], non_blocking=pin)
+        self.num_rows, self.loaded = bucket, (slots, bucket)
+
+
+_current: LoRARows | StaticLoRARows | None = None
 
 
 @contextmanager
-def lora_rows(slots: LoRARows | torch.Tensor | list[int] | None) -> Iterator[LoRARows | None]:
+def lora_rows(slots: LoRARows | StaticLoRARows | torch.Tensor | list[int] | None
+              ) -> Iterator[LoRARows | StaticLoRARows | None]:
     """Set the per-row adapter slots for the forward run inside (None: base model only;
     a LoRARows built once serves every forward of a multi-step window)."""
     global _current
     previous = _current
-    rows = slots if slots is None or isinstance(slots, LoRARows) else LoRARows.build(slots)
-    _current = rows if rows is not None and rows.groups else None
+    rows = slots if slots is None or isinstance(slots, (LoRARows, StaticLoRARows)) \
+        else LoRARows.build(slots)
+    _current = rows if rows is not None and rows.has_adapters else None
     try:
         yield rows
     finally:
@@ -91,14 +151,27 @@ def lora_active() -> bool:
     return _current is not None
 
 
+def num_lora_slots(model: torch.nn.Module) -> int:
+    """The adapter slots of the model's projections (0: no adapters attached)."""
+    return max((m.lora.num_slots for m in model.modules()
+                if getattr(m, "lora", None) is not None), default=0)
+
+
 class LoRALayer:
     """One projection's adapter slots: per fused part, A [max_loras, R, in] and
-    B [max_loras, part_rows, R] (B scaled), zero where a slot's adapter leaves the part out."""
+    B [max_loras, part_rows, R] (B scaled), zero where a slot's adapter leaves the part out.
+    They are views of a_stacked [max_loras, parts*R, in] and b_stacked [max_loras,
+    out, R] (the parts' columns in order), which the Triton pair reads."""
 
     def __init__(self, lora_a: list[torch.Tensor], lora_b: list[torch.Tensor]) -> None:
-        self.lora_a, self.lora_b = lora_a, lora_b
+        self.a_stacked = torch.cat(lora_a, dim=1)
+        self.b_stacked = torch.cat(lora_b, dim=1)
+        self.lora_a = list(self.a_stacked.split([a.shape[1] for a in lora_a], dim=1))
+        self.lora_b = list(self.b_stacked.split([b.shape[1] for b in lora_b], dim=1))
+        self.num_slots = self.a_stacked.shape[0]
+        self.part_ends = torch.tensor([b.shape[1] for b in lora_b]).cumsum(0).tolist()
         # which (slot, part) pairs hold a nonzero update; the others are skipped
-        self.active = [[False] * len(lora_a) for _ in range(lora_a[0].shape[0])]
+        self.active = [[False] * len(lora_a) for _ in range(self.num_slots)]
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         rows = _current
@@ -106,7 +179,7 @@ class LoRALayer:
             return out
         x2 = x.reshape(-1, x.shape[-1])
         out2 = out.view(-1, out.shape[-1])
-        if x.is_cuda and USE_TRITON:
+        if rows.static or (x.is_cuda and USE_TRITON):
             self._triton(rows, x2.contiguous(), out2)
             return out
         for slot, index in rows.groups_on(x.device):
@@ -124,13 +197,14 @@ class LoRALayer:
                 offset += size
         return out
 
-    def _triton(self, rows: LoRARows, x2: torch.Tensor, out2: torch.Tensor) -> None:
+    def _triton(self, rows: LoRARows | StaticLoRARows, x2: torch.Tensor,
+                out2: torch.Tensor) -> None:
+        """One shrink and one expand for all parts. Eager, a projection no used slot
+        adapts is skipped (a host decision a graph cannot make: there it always runs)."""
         from pagedllm.kernels.triton_lora import lora_expand, lora_shrink
 
-        slots = rows.slots_on(x2.device)
-        used = [slot for slot, _ in rows.groups]
-        offset = 0
-        for part, (a, b) in enumerate(zip(self.lora_a, self.lora_b)):
-            if any(self.active[slot][part] for slot in used):
-                lora_expand(out2, lora_shrink(x2, a, slots), b, slots, offset)
-            offset += b.shape[1]
+        if not rows.static and not any(any(self.active[slot]) for slot, _ in rows.groups):
+            return
+        perm, starts = rows.segments_on(x2.device, self.num_slots)
+        y = lora_shrink(x2, self.a_stacked, perm, starts, len(self.lora_a))
+        lora_expand(out2, y, self.b_stacked, perm, starts, self.part_ends)

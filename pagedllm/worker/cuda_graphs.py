@@ -12,7 +12,12 @@ the step's batch. A graph replays fixed pointers and fixed launch grids, so:
   depends on this step's lengths;
 - the graphs of one device allocate from one shared memory pool. Graphs never run
   concurrently, and each one's output is read before the next replay, so they can share it;
-- with a device map, each device group is its own graph (see DecodeCUDAGraphs).
+- with a device map, each device group is its own graph (see DecodeCUDAGraphs);
+- with LoRA adapters attached, a second set of graphs runs the projections' LoRA kernels
+  over static sorted-rows and segment buffers (layers/lora.StaticLoRARows) the step's
+  per-row slots are copied into; it replays only for steps with adapter rows, so base-only
+  steps keep the base graphs. Both sets share the memory pool. PAGEDLLM_LORA_GRAPHS=0
+  leaves the second set out (steps with adapter rows then run eager).
 
 Only the model's forward is captured; logits are computed for the real rows only. In
 multi-step decoding the input ids of a step after the first come from the device.
@@ -22,6 +27,7 @@ from __future__ import annotations
 import bisect
 import logging
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +38,7 @@ from torch import nn
 from pagedllm.kernels.metadata import (
     PagedAttentionInputMetadata, host_to_device, pad_block_tables,
 )
+from pagedllm.layers.lora import LoRARows, StaticLoRARows, lora_rows
 from pagedllm.models.device_map import DeviceGroup, DeviceMap
 
 _HOST = torch.device("cpu")
@@ -45,6 +52,7 @@ MAX_GRAPH_BATCH_SIZE = 512
 GRAPH_BYTES_PER_LAYER = 256 << 10
 PAD_SLOT = -1  # reshape_and_cache skips it
 PAD_SEQ_LEN = 1  # a padding row attends to one key of block 0
+LORA_GRAPHS = os.environ.get("PAGEDLLM_LORA_GRAPHS", "1") != "0"
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -164,7 +172,8 @@ class DecodeCUDAGraphs:
 
     With a device map, each group's layers are one graph on that group's device; between two
     replays the state (hidden, residual) is copied into the next group's static buffers, the
-    only step a map adds. Metadata buffers exist once per distinct device."""
+    only step a map adds. Metadata buffers exist once per distinct device. `lora_slots` > 0:
+    also capture every bucket with LoRA on (graphs keyed by (bucket, group, lora))."""
 
     def __init__(
         self,
@@ -176,6 +185,7 @@ class DecodeCUDAGraphs:
         num_kv_heads: int,
         head_dim: int,
         dtype: torch.dtype,
+        lora_slots: int = 0,
     ) -> None:
         self.model = model
         self.device_map = device_map
@@ -192,12 +202,17 @@ class DecodeCUDAGraphs:
         self.static_metadata = {
             d: StaticMetadata(d, self.max_batch_size, self.table_width) for d in device_map.devices
         }
+        self.lora = StaticLoRARows(device_map.devices, self.max_batch_size, lora_slots) \
+            if lora_slots else None
+        self.modes = (False, True) if self.lora is not None else (False,)  # LoRA off / on
         # Group index -> the static state a group > 0 starts from (made at the first forward).
         self.states: dict[int, tuple] = {}
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (bucket, group)
-        self.outputs: dict[tuple[int, int], object] = {}
+        # (bucket, group, lora)
+        self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int, bool], object] = {}
         self.graph_memory = 0  # bytes, measured at capture
         self.num_replays = 0
+        self.num_lora_replays = 0  # of which with LoRA on
 
     def num_splits(self, batch_size: int, device: torch.device | None = None) -> int:
         from pagedllm.kernels.triton_attention import choose_num_splits
@@ -258,12 +273,20 @@ class DecodeCUDAGraphs:
             if src is not None:
                 dst[:batch_size].copy_(src)
 
-    def _forward(self, batch_size: int, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+    def _lora(self, lora: bool, batch_size: int):
+        """The LoRA context a graph of `batch_size` rows runs in (off: base model only)."""
+        if lora:
+            self.lora.num_rows = batch_size
+        return lora_rows(self.lora if lora else None)
+
+    def _forward(self, batch_size: int, kv_caches: list[torch.Tensor],
+                 lora: bool = False) -> torch.Tensor:
         """Every stage eagerly over the static buffers (warm-up, and the CPU tests)."""
-        return self.device_map.walk(
-            None, lambda group, _: self._stage(group.index, batch_size, kv_caches),
-            lambda state, group: self._load_state(state, group, batch_size),
-        )
+        with self._lora(lora, batch_size):
+            return self.device_map.walk(
+                None, lambda group, _: self._stage(group.index, batch_size, kv_caches),
+                lambda state, group: self._load_state(state, group, batch_size),
+            )
 
     @torch.inference_mode()
     def profile_run(self) -> None:
@@ -281,7 +304,7 @@ class DecodeCUDAGraphs:
         activation peak of an eager decode at the largest bucket, profiled) plus the memory
         of every graph of its layers."""
         layers = self.device_map.layers_on(device)
-        return pool_peak + GRAPH_BYTES_PER_LAYER * layers * len(self.sizes)
+        return pool_peak + GRAPH_BYTES_PER_LAYER * layers * len(self.sizes) * len(self.modes)
 
     @torch.inference_mode()
     def capture(self, kv_caches: list[torch.Tensor]) -> None:
@@ -294,25 +317,27 @@ class DecodeCUDAGraphs:
         pools: dict[torch.device, object] = {}
         streams = {d: torch.cuda.Stream(device=d) for d in devices}
         for b in reversed(self.sizes):
-            # Eager warm-up: compiles this launch shape's kernels and builds lazily made
-            # per-device tables, neither of which may happen inside a capture.
-            self._forward(b, kv_caches)
-            for g, group in enumerate(self.device_map.groups):
-                d = group.device
-                torch.cuda.synchronize(d)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.device(d), torch.cuda.graph(graph, pool=pools.get(d),
-                                                            stream=streams[d]):
-                    self.outputs[b, g] = self._stage(g, b, kv_caches)
-                pools.setdefault(d, graph.pool())
-                self.graphs[b, g] = graph
+            for lora in self.modes:
+                # Eager warm-up: compiles this launch shape's kernels and builds lazily made
+                # per-device tables, neither of which may happen inside a capture.
+                self._forward(b, kv_caches, lora)
+                for g, group in enumerate(self.device_map.groups):
+                    d = group.device
+                    torch.cuda.synchronize(d)
+                    graph = torch.cuda.CUDAGraph()
+                    with self._lora(lora, b), torch.cuda.device(d), torch.cuda.graph(
+                            graph, pool=pools.get(d), stream=streams[d]):
+                        self.outputs[b, g, lora] = self._stage(g, b, kv_caches)
+                    pools.setdefault(d, graph.pool())
+                    self.graphs[b, g, lora] = graph
         for d in devices:
             torch.cuda.synchronize(d)
         self.graph_memory = free_before - sum(torch.cuda.mem_get_info(d)[0] for d in devices)
         logger.info(
-            "CUDA graphs: captured %d decode batch sizes (1..%d) x %d device group(s) in %.1f s, "
-            "using %.1f MiB", len(self.sizes), self.max_batch_size, len(self.device_map.groups),
-            time.perf_counter() - start, self.graph_memory / (1 << 20),
+            "CUDA graphs: captured %d decode batch sizes (1..%d) x %d device group(s) x %d "
+            "(LoRA off/on) in %.1f s, using %.1f MiB", len(self.sizes), self.max_batch_size,
+            len(self.device_map.groups), len(self.modes), time.perf_counter() - start,
+            self.graph_memory / (1 << 20),
         )
 
     def release(self) -> None:
@@ -326,8 +351,11 @@ class DecodeCUDAGraphs:
         self.graphs.clear()
         self.outputs.clear()
 
-    def can_run(self, max_query_len: int, num_tokens: int, num_seqs: int) -> bool:
-        return bool(self.graphs) and fits_decode_graph(
+    def can_run(self, max_query_len: int, num_tokens: int, num_seqs: int,
+                lora: bool = False) -> bool:
+        """A decode step fits a bucket (`lora`: the step has adapter rows, which needs the
+        LoRA set)."""
+        return bool(self.graphs) and (not lora or self.lora is not None) and fits_decode_graph(
             max_query_len, num_tokens, num_seqs, self.max_batch_size
         )
 
@@ -339,10 +367,12 @@ class DecodeCUDAGraphs:
         seq_lens: list[int],
         block_tables: list[list[int]],
         padded_tables: Callable[[int, bool], torch.Tensor] | None = None,
+        lora_slots: torch.Tensor | None = None,
     ) -> int:
         """Copy a decode step's inputs, padded, into the static buffers of every device;
         returns the bucket. `padded_tables(bucket, pin)`: the block tables padded to the
-        bucket, the same tensor for each step that shares them (copied in only once)."""
+        bucket, the same tensor for each step that shares them (copied in only once).
+        `lora_slots`: the rows' adapter slots (host int64), into the LoRA set's buffers."""
         bucket = choose_bucket(self.sizes, len(input_ids))
         if bucket is None:
             raise ValueError(
@@ -368,11 +398,15 @@ class DecodeCUDAGraphs:
             self.input_ids[:bucket].copy_(batch.input_ids, non_blocking=self.input_ids.is_cuda)
         for buffers in self.static_metadata.values():
             buffers.load(batch, bucket)
+        if lora_slots is not None:
+            if len(lora_slots) != len(input_ids):
+                raise ValueError(f"{len(lora_slots)} LoRA slots for {len(input_ids)} rows")
+            self.lora.load(lora_slots, bucket)
         return bucket
 
-    def _replay(self, bucket: int, g: int):
-        self.graphs[bucket, g].replay()
-        return self.outputs[bucket, g]
+    def _replay(self, bucket: int, g: int, lora: bool):
+        self.graphs[bucket, g, lora].replay()
+        return self.outputs[bucket, g, lora]
 
     def run(
         self,
@@ -382,14 +416,17 @@ class DecodeCUDAGraphs:
         seq_lens: list[int],
         block_tables: list[list[int]],
         padded_tables: Callable[[int, bool], torch.Tensor] | None = None,
+        lora: LoRARows | None = None,
     ) -> torch.Tensor:
-        """Load this step's inputs, replay its bucket's graphs group by group, return
-        [num_seqs, hidden]."""
+        """Load this step's inputs, replay its bucket's graphs group by group (the LoRA set
+        when `lora` has adapter rows), return [num_seqs, hidden]."""
+        on = lora is not None and lora.has_adapters
         bucket = self.load_inputs(input_ids, positions, slot_mapping, seq_lens, block_tables,
-                                  padded_tables)
+                                  padded_tables, lora.slots if on else None)
         out = self.device_map.walk(
-            None, lambda group, _: self._replay(bucket, group.index),
+            None, lambda group, _: self._replay(bucket, group.index, on),
             lambda state, group: self._load_state(state, group, bucket),
         )
         self.num_replays += 1
+        self.num_lora_replays += on
         return out[: len(input_ids)]

@@ -23,7 +23,8 @@ from pagedllm.kernels.metadata import (
     PagedAttentionInputMetadata, host_to_device, pad_block_tables, slots_for,
 )
 from pagedllm.layers import pooler
-from pagedllm.layers.lora import LoRARows, lora_rows
+from pagedllm.layers import lora as lora_layer
+from pagedllm.layers.lora import LoRARows, lora_rows, num_lora_slots
 from pagedllm.layers.sampler import (
     SampledBatch, Sampler, SamplingRow, compute_prompt_logprobs, make_generator,
 )
@@ -31,6 +32,7 @@ from pagedllm.layers.rejection_sampler import SpecVerifier
 from pagedllm.layers.token_bitmask import apply_token_bitmask
 from pagedllm.models.device_map import DeviceMap
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker import cuda_graphs
 from pagedllm.worker.cuda_graphs import DecodeCUDAGraphs
 from pagedllm.contract import GrammarMasks, StepBatch, StepResult
 
@@ -297,10 +299,14 @@ class ModelRunner:
 
     def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int, num_kv_heads: int,
                            head_dim: int, dtype: torch.dtype) -> DecodeCUDAGraphs:
-        """Set up decode graphs (static buffers now; capture once the KV cache exists)."""
+        """Set up decode graphs (static buffers now; capture once the KV cache exists). With
+        adapters attached, a LoRA set too, unless PAGEDLLM_LORA_GRAPHS=0 or the torch LoRA
+        path is forced (PAGEDLLM_LORA_TRITON=0: the graphs run the Triton pair)."""
+        lora_slots = num_lora_slots(self.model) \
+            if cuda_graphs.LORA_GRAPHS and lora_layer.USE_TRITON else 0
         self.graphs = DecodeCUDAGraphs(self.model, DeviceMap.from_layer_devices(self.layer_devices),
                                        max_num_seqs, max_model_len, self.block_size,
-                                       num_kv_heads, head_dim, dtype)
+                                       num_kv_heads, head_dim, dtype, lora_slots)
         return self.graphs
 
     # ------------------------------------------------------------------ state
@@ -467,9 +473,10 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- execution
     def uses_graph(self, b: FlatBatch) -> bool:
-        # The graphs hold the base model only (the LoRA path groups rows on the host).
-        return self.graphs is not None and self.lora_rows is None and self.graphs.can_run(
-            b.max_query_len, len(b.input_ids), len(b.query_lens)
+        # A step with adapter rows needs the graphs' LoRA set.
+        lora = self.lora_rows is not None and self.lora_rows.has_adapters
+        return self.graphs is not None and self.graphs.can_run(
+            b.max_query_len, len(b.input_ids), len(b.query_lens), lora
         )
 
     def forward(self, b: FlatBatch, kv_caches: list[torch.Tensor],
@@ -479,7 +486,7 @@ class ModelRunner:
         if self.uses_graph(b):
             ids = b.input_ids if input_ids is None else input_ids
             return self.graphs.run(ids, b.positions, b.slot_mapping, b.seq_lens, b.block_tables,
-                                   b.padded_block_tables)
+                                   b.padded_block_tables, self.lora_rows)
         inp = self.prepare_input(b, input_ids)
         with lora_rows(self.lora_rows):
             return self.model(inp.input_ids, kv_caches, inp.metadata)
