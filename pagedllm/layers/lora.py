@@ -99,8 +99,11 @@ class StaticLoRARows:
     def __init__(self, devices: list[torch.device], max_rows: int, num_slots: int) -> None:
         self.num_slots, self.num_rows = num_slots, max_rows
         i64 = dict(dtype=torch.int64)
-        self.perm = {d: torch.zeros(max_rows, device=d, **i64) for d in devices}
-        self.starts = {d: torch.zeros(num_slots + 1, device=d, **i64) for d in devices}
+        # keyed by the tensors' own device: "cuda" given here is "cuda:0" on the inputs
+        perms = [torch.zeros(max_rows, device=d, **i64) for d in devices]
+        self.perm = {t.device: t for t in perms}
+        self.starts = {t.device: torch.zeros(num_slots + 1, device=t.device, **i64)
+                       for t in perms}
         self.loaded: tuple[object, int] | None = None  # (the slots last loaded, bucket)
 
     def segments_on(self, device: torch.device, num_slots: int
