@@ -13,6 +13,7 @@ from pagedllm import LLM, LoRARequest, SamplingParams
 from pagedllm.benchmarks.lora_bench import write_adapter
 from pagedllm.layers import lora as lora_layer
 from pagedllm.worker import cuda_graphs
+from tests.gpu.random_model import free
 from tests.paged_helpers import NEAR_TIE_ACROSS_BATCH_SHAPES, assert_same_greedy
 
 pytestmark = pytest.mark.cuda
@@ -58,7 +59,9 @@ def _generate(model_dir, tmp_path, prompts, params, enforce_eager=False):
                         lora_request=[loras[i % 3] for i in range(len(prompts))])
     graphs = llm.engine.worker.runner.graphs
     counts = None if graphs is None else (graphs.lora is not None, graphs.num_lora_replays)
+    llm.engine.shutdown()
     del llm, graphs
+    free()  # the next engine of the test sizes its KV cache from the memory left
     return outs, counts
 
 
