@@ -43,7 +43,7 @@ import json, sys, time
 start = time.perf_counter()
 from pagedllm import LLM, SamplingParams
 from pagedllm.worker import worker
-from pagedllm.loader import resolve
+from pagedllm.engine import config_resolver
 imported = time.perf_counter()
 phases = {"tokenizer_s": 0.0, "weights_s": 0.0, "kv_cache_s": 0.0}
 
@@ -57,7 +57,7 @@ def timed(owner, name, phase):
             phases[phase + "_s"] += time.perf_counter() - t
     setattr(owner, name, wrapper)
 
-timed(resolve, "load_tokenizer", "tokenizer")
+timed(config_resolver, "load_tokenizer", "tokenizer")
 timed(worker.Worker, "_load_model", "weights")
 timed(worker.Worker, "_profile_num_blocks", "kv_cache")
 timed(worker, "CacheEngine", "kv_cache")
