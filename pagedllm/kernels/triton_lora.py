@@ -33,15 +33,15 @@ K_PER_PROGRAM = 512  # the shrink's split of K
 
 @triton.jit
 def _segment_rows(perm_ptr, starts_ptr, BLOCK_M: tl.constexpr):
-    """This program's rows: BLOCK_M positions of slot program_id(0)'s segment (row indices,
-    which are valid, and whether the tile has any)."""
+    """This program's slot (program_id(0)) and rows: BLOCK_M positions of the slot's
+    segment (row indices, which are valid, and whether the tile has any)."""
     s = tl.program_id(0)
     begin = tl.load(starts_ptr + s) + tl.program_id(1) * BLOCK_M
     end = tl.load(starts_ptr + s + 1)
     rm = begin + tl.arange(0, BLOCK_M)
     valid = rm < end
     rows = tl.load(perm_ptr + rm, mask=valid, other=0).to(tl.int64)
-    return rows, valid, begin < end
+    return s.to(tl.int64), rows, valid, begin < end
 
 
 @triton.jit
@@ -49,9 +49,8 @@ def _shrink_kernel(y_ptr, x_ptr, a_ptr, perm_ptr, starts_ptr, K, k_per_program, 
                    stride_y, stride_as, stride_ar, R: tl.constexpr, SPLIT_K: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                    PRECISION: tl.constexpr):
-    rows, valid, any_rows = _segment_rows(perm_ptr, starts_ptr, BLOCK_M)
+    s, rows, valid, any_rows = _segment_rows(perm_ptr, starts_ptr, BLOCK_M)
     if any_rows:
-        s = tl.program_id(0).to(tl.int64)
         part = tl.program_id(2) // SPLIT_K
         k_begin = (tl.program_id(2) % SPLIT_K) * k_per_program
         rr = tl.arange(0, BLOCK_R)
@@ -77,9 +76,8 @@ def _expand_kernel(out_ptr, y_ptr, b_ptr, perm_ptr, starts_ptr, N, end0, end1, s
                    stride_y, stride_bs, stride_bn, R: tl.constexpr, PARTS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                    PRECISION: tl.constexpr):
-    rows, valid, any_rows = _segment_rows(perm_ptr, starts_ptr, BLOCK_M)
+    s, rows, valid, any_rows = _segment_rows(perm_ptr, starts_ptr, BLOCK_M)
     if any_rows:
-        s = tl.program_id(0).to(tl.int64)
         rn = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
         rr = tl.arange(0, BLOCK_R)
         part = (rn >= end0).to(tl.int32) + (rn >= end1).to(tl.int32)  # [BN]
