@@ -17,6 +17,10 @@ the host from the slot values, which is what a CUDA graph needs (perm and starts
 static buffers there). The shrink splits K over programs (fp32 atomics into a zeroed y)
 so a batch of one row still fills the GPU.
 
+A single row can skip the shrink: the projection's base GEMV also multiplies every slot's A
+(stacked under the base weight, layers/lora.py's joint weight), and the expand then reads
+the row's own slot's ranks out of those extra columns (`y_per_slot`).
+
 Ranks are the pool's padded rank R (zero past an adapter's own). Runs under
 TRITON_INTERPRET=1 on the CPU for the tests; layers/lora.py holds the torch oracle.
 """
@@ -73,9 +77,9 @@ def _shrink_kernel(y_ptr, x_ptr, a_ptr, perm_ptr, starts_ptr, K, k_per_program, 
 
 @triton.jit
 def _expand_kernel(out_ptr, y_ptr, b_ptr, perm_ptr, starts_ptr, N, end0, end1, stride_o,
-                   stride_y, stride_bs, stride_bn, R: tl.constexpr, PARTS: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   stride_y, stride_ys, stride_yp, stride_bs, stride_bn, R: tl.constexpr,
+                   PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
     s, rows, valid, any_rows = _segment_rows(perm_ptr, starts_ptr, BLOCK_M)
     if any_rows:
         rn = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -83,12 +87,13 @@ def _expand_kernel(out_ptr, y_ptr, b_ptr, perm_ptr, starts_ptr, N, end0, end1, s
         part = (rn >= end0).to(tl.int32) + (rn >= end1).to(tl.int32)  # [BN]
         b_ptrs = b_ptr + s * stride_bs + rn[None, :] * stride_bn + rr[:, None]  # [BR, BN]
         b_ok = (rn[None, :] < N) & (rr[:, None] < R)
+        y_rows = y_ptr + rows[:, None] * stride_y + s * stride_ys + rr[None, :]  # [BM, BR]
+        y_ok = valid[:, None] & (rr[None, :] < R)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for p in tl.static_range(PARTS):
             # each column takes its own part's ranks: B is zero outside part p here
             b = tl.load(b_ptrs, mask=b_ok & (part[None, :] == p), other=0.0)
-            y = tl.load(y_ptr + rows[:, None] * stride_y + p * BLOCK_R + rr[None, :],
-                        mask=valid[:, None], other=0.0)
+            y = tl.load(y_rows + p * stride_yp, mask=y_ok, other=0.0)
             acc = tl.dot(y.to(b.dtype), b, acc, input_precision=PRECISION)
         o_ptrs = out_ptr + rows[:, None] * stride_o + rn[None, :]
         o_ok = valid[:, None] & (rn[None, :] < N)
@@ -128,14 +133,23 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, perm: torch.Tensor,
 
 
 def lora_expand(out: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, perm: torch.Tensor,
-                starts: torch.Tensor, part_ends: list[int]) -> None:
+                starts: torch.Tensor, part_ends: list[int], y_per_slot: bool = False) -> None:
     """out[t] += y[t] . lora_b[slot(t)]^T in place for every row in a segment; lora_b
     [slots, N, R] contiguous, its columns split into parts ending at `part_ends` (the
-    last is N), part p reading y's p-th block of ranks."""
+    last is N), part p reading y's p-th block of ranks: y is lora_shrink's [T, parts*BR],
+    or with `y_per_slot` every slot's ranks [T, slots*parts*R] (slot-major, then part),
+    of which a row reads its own slot's. out and y: unit column stride, any row stride."""
     num_tokens, n = out.shape[0], lora_b.shape[1]
-    parts = len(part_ends)
+    slots, parts, rank = lora_b.shape[0], len(part_ends), lora_b.shape[2]
     if not 1 <= parts <= MAX_PARTS or part_ends[-1] != n:
         raise ValueError(f"part ends {part_ends} do not split {n} columns into 1..{MAX_PARTS}")
+    if y_per_slot:
+        if y.shape[1] != slots * parts * rank:
+            raise ValueError(f"y has {y.shape[1]} columns, not {slots} slots x {parts} parts "
+                             f"x rank {rank}")
+        y_slot, y_part, block_r = parts * rank, rank, _block_r(rank)
+    else:
+        y_slot, y_part, block_r = 0, y.shape[1] // parts, y.shape[1] // parts
     ends = list(part_ends[:-1]) + [n] * (MAX_PARTS - parts + 1)
     block_m = _block_m(num_tokens)
     block_n = 128 if block_m == 16 else 64
@@ -143,6 +157,6 @@ def lora_expand(out: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, perm: 
         grid = (lora_b.shape[0], triton.cdiv(num_tokens, block_m), triton.cdiv(n, block_n))
         _expand_kernel[grid](
             out, y, lora_b, perm, starts, n, ends[0], ends[1], out.stride(0), y.stride(0),
-            lora_b.stride(0), lora_b.stride(1), R=lora_b.shape[2], PARTS=parts,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=y.shape[1] // parts,
+            y_slot, y_part, lora_b.stride(0), lora_b.stride(1), R=rank, PARTS=parts,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
             PRECISION=_precision(lora_b.dtype))

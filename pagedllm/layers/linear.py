@@ -101,6 +101,8 @@ class Linear(nn.Linear):
         return self.packed is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lora is not None and self.lora.joins(x):
+            return self.lora.joint_forward(x, linear)  # one row: the shrink in the GEMV
         out = linear(x, self.weight, self.bias, self.packed)
         return out if self.lora is None else self.lora(x, out)
 

@@ -164,17 +164,30 @@ class LoRALayer:
     """One projection's adapter slots: per fused part, A [max_loras, R, in] and
     B [max_loras, part_rows, R] (B scaled), zero where a slot's adapter leaves the part out.
     They are views of a_stacked [max_loras, parts*R, in] and b_stacked [max_loras,
-    out, R] (the parts' columns in order), which the Triton pair reads."""
+    out, R] (the parts' columns in order), which the Triton pair reads.
 
-    def __init__(self, lora_a: list[torch.Tensor], lora_b: list[torch.Tensor]) -> None:
-        self.a_stacked = torch.cat(lora_a, dim=1)
-        self.b_stacked = torch.cat(lora_b, dim=1)
-        self.lora_a = list(self.a_stacked.split([a.shape[1] for a in lora_a], dim=1))
-        self.lora_b = list(self.b_stacked.split([b.shape[1] for b in lora_b], dim=1))
-        self.num_slots = self.a_stacked.shape[0]
-        self.part_ends = torch.tensor([b.shape[1] for b in lora_b]).cumsum(0).tolist()
+    `joint`, where pagedllm/lora made one: [out + max_loras*parts*R, in], the base weight's
+    rows (the projection's weight is a view of them) followed by a_stacked's. A forward of
+    one token row then runs the shrink inside the base GEMV, for every slot at once, and
+    only the expand on top (`joint_forward`): one kernel fewer per projection at the
+    batch-1 decode, where each launch costs more than the bytes it reads."""
+
+    def __init__(self, a_stacked: torch.Tensor, b_stacked: torch.Tensor,
+                 part_sizes: list[int], joint: torch.Tensor | None = None) -> None:
+        self.a_stacked, self.b_stacked, self.joint = a_stacked, b_stacked, joint
+        rank = a_stacked.shape[1] // len(part_sizes)
+        self.lora_a = list(a_stacked.split(rank, dim=1))
+        self.lora_b = list(b_stacked.split(part_sizes, dim=1))
+        self.num_slots = a_stacked.shape[0]
+        self.part_ends = torch.tensor(part_sizes).cumsum(0).tolist()
         # which (slot, part) pairs hold a nonzero update; the others are skipped
-        self.active = [[False] * len(lora_a) for _ in range(self.num_slots)]
+        self.active = [[False] * len(part_sizes) for _ in range(self.num_slots)]
+
+    @classmethod
+    def of_parts(cls, lora_a: list[torch.Tensor], lora_b: list[torch.Tensor]) -> "LoRALayer":
+        """A layer over copies of per-part A [slots, R, in] and B [slots, rows, R]."""
+        return cls(torch.cat(lora_a, dim=1), torch.cat(lora_b, dim=1),
+                   [b.shape[1] for b in lora_b])
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         rows = _current
@@ -182,8 +195,13 @@ class LoRALayer:
             return out
         x2 = x.reshape(-1, x.shape[-1])
         out2 = out.view(-1, out.shape[-1])
-        if rows.static or (x.is_cuda and USE_TRITON):
-            self._triton(rows, x2.contiguous(), out2)
+        if self._on_triton(rows, x):
+            if self._runs(rows):
+                perm, starts = rows.segments_on(x2.device, self.num_slots)
+                kernels = _kernels()
+                y = kernels.lora_shrink(x2.contiguous(), self.a_stacked, perm, starts,
+                                        len(self.lora_a))
+                kernels.lora_expand(out2, y, self.b_stacked, perm, starts, self.part_ends)
             return out
         for slot, index in rows.groups_on(x.device):
             xs = x2 if index is None else x2.index_select(0, index)
@@ -200,14 +218,36 @@ class LoRALayer:
                 offset += size
         return out
 
-    def _triton(self, rows: LoRARows | StaticLoRARows, x2: torch.Tensor,
-                out2: torch.Tensor) -> None:
-        """One shrink and one expand for all parts. Eager, a projection no used slot
-        adapts is skipped (a host decision a graph cannot make: there it always runs)."""
-        from pagedllm.kernels.triton_lora import lora_expand, lora_shrink
+    def joins(self, x: torch.Tensor) -> bool:
+        """Whether this forward takes `joint_forward`: one token row, adapter rows in the
+        forward, the Triton path, a joint weight."""
+        rows = _current
+        return (self.joint is not None and rows is not None and x.numel() == x.shape[-1]
+                and self._on_triton(rows, x) and self._runs(rows))
 
-        if not rows.static and not any(any(self.active[slot]) for slot, _ in rows.groups):
-            return
-        perm, starts = rows.segments_on(x2.device, self.num_slots)
-        y = lora_shrink(x2, self.a_stacked, perm, starts, len(self.lora_a))
-        lora_expand(out2, y, self.b_stacked, perm, starts, self.part_ends)
+    def joint_forward(self, x: torch.Tensor, matmul) -> torch.Tensor:
+        """The base output plus the row's adapter update: matmul(x, joint) gives the base
+        columns and every slot's x A^T; the expand adds the row's slot's part into the
+        base columns in place. The result is a view of one row, contiguous as a row."""
+        n = self.b_stacked.shape[1]
+        both = matmul(x.reshape(1, x.shape[-1]), self.joint)
+        out, y = both[:, :n], both[:, n:]
+        perm, starts = _current.segments_on(x.device, self.num_slots)
+        _kernels().lora_expand(out, y, self.b_stacked, perm, starts, self.part_ends,
+                               y_per_slot=True)
+        return out.view(*x.shape[:-1], n)
+
+    @staticmethod
+    def _on_triton(rows: LoRARows | StaticLoRARows, x: torch.Tensor) -> bool:
+        return rows.static or (x.is_cuda and USE_TRITON)
+
+    def _runs(self, rows: LoRARows | StaticLoRARows) -> bool:
+        """Eager, a projection no used slot adapts is skipped (a host decision a graph
+        cannot make: there the kernels always run; a slot's zero B adds nothing)."""
+        return rows.static or any(any(self.active[slot]) for slot, _ in rows.groups)
+
+
+def _kernels():
+    from pagedllm.kernels import triton_lora  # Triton only where it runs
+
+    return triton_lora

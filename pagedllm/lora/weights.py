@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from pagedllm.distributed import parallel_state as ps
+from pagedllm.layers.linear import Linear
 from pagedllm.layers.lora import LoRALayer
 from pagedllm.lora.adapter import LoRAAdapter
 
@@ -88,12 +89,25 @@ class LoRAWeights:
             model.get_submodule(name).lora = None
 
 
+# The joint weight (layers/lora.LoRALayer) is made where its extra rows, every slot's A,
+# add at most this share to the base weight: the single-row GEMV reads them all.
+JOINT_MAX_SHARE = 1 / 16
+
+
 def _attach(module: nn.Module, max_loras: int, rank: int, dtype: torch.dtype) -> LoRALayer:
     device = next(chain(module.parameters(), module.buffers())).device
     part_sizes = list(getattr(module, "part_sizes", None) or [module.out_features])
-    lora_a = [torch.zeros(max_loras, rank, module.in_features, dtype=dtype, device=device)
-              for _ in part_sizes]
-    lora_b = [torch.zeros(max_loras, rows, rank, dtype=dtype, device=device)
-              for rows in part_sizes]
-    module.lora = LoRALayer(lora_a, lora_b)
+    n, k = module.out_features, module.in_features
+    extra = max_loras * len(part_sizes) * rank
+    joint = None
+    if (isinstance(module, Linear) and module.bias is None and module.weight.dtype == dtype
+            and extra <= JOINT_MAX_SHARE * n):
+        joint = torch.zeros(n + extra, k, dtype=dtype, device=device)
+        joint[:n].copy_(module.weight.detach())
+        module.weight.data = joint[:n]  # the base weight is now a view of the joint one
+        lora_a = joint[n:].view(max_loras, len(part_sizes) * rank, k)
+    else:
+        lora_a = torch.zeros(max_loras, len(part_sizes) * rank, k, dtype=dtype, device=device)
+    lora_b = torch.zeros(max_loras, n, rank, dtype=dtype, device=device)
+    module.lora = LoRALayer(lora_a, lora_b, part_sizes, joint)
     return module.lora

@@ -29,7 +29,7 @@ def test_kernels_match_the_torch_path(k, parts, num_rows):
     dev, dt = "cuda", torch.bfloat16
     lora_a = [torch.randn(4, 16, k, generator=g, device=dev, dtype=dt) * 0.02 for _ in parts]
     lora_b = [torch.randn(4, n, 16, generator=g, device=dev, dtype=dt) * 0.02 for n in parts]
-    layer = lora_layer.LoRALayer(lora_a, lora_b)
+    layer = lora_layer.LoRALayer.of_parts(lora_a, lora_b)
     layer.active = [[True] * len(parts) for _ in range(4)]
     slots = torch.tensor([(i % 5) - 1 for i in range(num_rows)])  # base rows and all 4 slots
     x = torch.randn(len(slots), k, generator=g, device=dev, dtype=dt)
@@ -44,11 +44,17 @@ def test_kernels_match_the_torch_path(k, parts, num_rows):
     y = lora_shrink(x, layer.a_stacked, perm, starts, len(parts))
     lora_expand(got, y, layer.b_stacked, perm, starts, layer.part_ends)
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    if num_rows == 1:  # the joint GEMV's columns: every slot's x A^T, the row's slot picked
+        got = base.clone()
+        lora_expand(got, x @ layer.a_stacked.reshape(-1, k).T, layer.b_stacked, perm, starts,
+                    layer.part_ends, y_per_slot=True)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
-def _generate(model_dir, tmp_path, prompts, params, enforce_eager=False):
-    """Greedy outputs of a batch mixing two adapters and the base, and the runner's graph
-    counts: (whether it has a LoRA set, its replays with LoRA on), None when eager."""
+def _generate(model_dir, tmp_path, prompts, params, enforce_eager=False, pick=None):
+    """Greedy outputs of a batch mixing two adapters and the base (`pick`: each prompt's
+    index into [base, a, b]), and the runner's graph counts: (whether it has a LoRA set,
+    its replays with LoRA on), None when eager."""
     llm = LLM(model=model_dir, dtype="float32", device="cuda", enable_lora=True, max_loras=2,
               max_lora_rank=16, gpu_memory_utilization=0.3, enforce_eager=enforce_eager)
     write_adapter(tmp_path / "a", llm.engine.model_config, 16, seed=0)
@@ -56,7 +62,8 @@ def _generate(model_dir, tmp_path, prompts, params, enforce_eager=False):
     loras = [None, LoRARequest("a", 1, str(tmp_path / "a")),
              LoRARequest("b", 2, str(tmp_path / "b"))]
     outs = llm.generate(prompts, params, use_tqdm=False,
-                        lora_request=[loras[i % 3] for i in range(len(prompts))])
+                        lora_request=[loras[i % 3 if pick is None else pick[i]]
+                                      for i in range(len(prompts))])
     graphs = llm.engine.worker.runner.graphs
     counts = None if graphs is None else (graphs.lora is not None, graphs.num_lora_replays)
     llm.engine.shutdown()
@@ -102,3 +109,20 @@ def test_lora_graphs_switch_off(tmp_path, model_dir, monkeypatch):
     params = SamplingParams(temperature=0.0, max_tokens=8)
     _, (has_lora_set, lora_replays) = _generate(model_dir, tmp_path, _prompts(), params)
     assert not has_lora_set and lora_replays == 0
+
+
+@pytest.mark.parametrize("adapter", [1, 2])
+def test_one_row_joint_graphs_match_the_torch_path(tmp_path, model_dir, monkeypatch, adapter):
+    """One sequence under an adapter: its decode steps replay the one-row LoRA graph over
+    joint weights (the shrink inside the base GEMM); the torch path is the oracle."""
+    from pagedllm.lora import weights as lora_weights
+
+    monkeypatch.setattr(lora_weights, "JOINT_MAX_SHARE", 1.0)
+    params = SamplingParams(temperature=0.0, max_tokens=32, logprobs=2)
+    prompts = _prompts()[:1]
+    lora_layer.USE_TRITON = False
+    want, _ = _generate(model_dir, tmp_path, prompts, params, pick=[adapter])
+    lora_layer.USE_TRITON = True
+    got, (_, lora_replays) = _generate(model_dir, tmp_path, prompts, params, pick=[adapter])
+    assert lora_replays > 0
+    _assert_same(got, want)
