@@ -232,13 +232,28 @@ def test_sharegpt_help_lists_its_options(capsys):
     assert workloads.main(["sharegpt", "--help"]) == 0
     text = capsys.readouterr().out
     for flag in ("--num-prompts", "--seed", "--model", "--quantization", "--kv-cache-dtype",
-                 "--max-num-seqs", "--max-num-batched-tokens", "--out", "--top-p"):
+                 "--max-num-seqs", "--max-num-batched-tokens", "--out", "--top-p", "--profile"):
         assert flag in text
     args = parse_args(["sharegpt", "--device", "cpu"])
     assert (args.num_requests, args.input_len, args.output_len) == (1000, (4, 2048), (4, 1024))
     assert (args.model, args.load_format, args.dtype) == ("llama-3-8b", "dummy", "bfloat16")
     assert (args.temperature, args.top_p, args.kv_cache_dtype) == (0.8, 0.95, "auto")
     assert parse_args(["sharegpt", "--device", "cpu", "--num-prompts", "7"]).num_requests == 7
+
+
+def test_kernel_profile_sorts_kernels_into_the_tables_kinds():
+    from pagedllm.benchmarks.kernel_profile import KINDS, kind_of
+
+    names = {
+        "nvjet_sm90_tst_128x16_64x11_2x1_v_bz_TNT": 0, "_skinny_kernel": 0,
+        "_paged_decode_kernel": 1, "_merge_splits_kernel": 1, "_paged_prefill_kernel": 2,
+        "void at::native::(anonymous namespace)::radixSortKVInPlace<...>": 3,
+        "_threshold_kernel": 3, "_rms_norm_kernel": 4, "_rotary_and_cache_kernel": 4,
+        "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda>": 5,
+        "_expand_kernel": 6,
+    }
+    assert {name: kind_of(name) for name in names} == {
+        name: KINDS[index][0] for name, index in names.items()}
 
 
 def test_sharegpt_lengths_are_seeded_lognormal_with_the_mix_means():

@@ -36,6 +36,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.benchmarks import WORKLOAD_HELP, cpu_targets, machine, peers
+from pagedllm.benchmarks.kernel_profile import kernel_profile, print_table
 from pagedllm.benchmarks.scheduler_bench import run_scheduler_bench
 from pagedllm.config import DTYPES, KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS, resolve_dtype
 from pagedllm.entrypoints.chat_utils import apply_chat_template
@@ -194,6 +195,9 @@ def build_parser(workload: Workload) -> argparse.ArgumentParser:
         p.add_argument("--mean-output-len", type=float, default=SHAREGPT_MEAN_OUTPUT,
                        help="mean of the lognormal output lengths before clipping to "
                        f"[--min-tokens, --max-tokens] (default {SHAREGPT_MEAN_OUTPUT:g})")
+        p.add_argument("--profile", action="store_true",
+                       help="also record the run's CUDA kernels and print their time by kind "
+                       "and the GPU-busy share (the profiler slows the run a little)")
     if w.name == "spec":
         p.add_argument("--method", default="ngram", choices=["ngram", "draft_model", "both"],
                        help="the proposer(s) timed against plain decoding (default ngram)")
@@ -688,7 +692,8 @@ def bench_sharegpt(args: argparse.Namespace) -> Report:
     mix = SamplingParams(temperature=args.temperature, top_p=args.top_p, ignore_eos=True,
                          max_tokens=4)
     llm.generate(random_prompts(random.Random(args.seed + 1), 2, (16, 48)), mix, use_tqdm=False)
-    result, _ = timed_generate(llm, "pagedllm", prompts, params)
+    with kernel_profile(args.profile) as kernels:
+        result, _ = timed_generate(llm, "pagedllm", prompts, params)
     preemptions = llm.engine.get_stats().num_preemptions
     llm.engine.shutdown()  # tensor-parallel ranks, if any
     del llm
@@ -703,6 +708,9 @@ def bench_sharegpt(args: argparse.Namespace) -> Report:
         "num_preemptions": preemptions,
         "sampler": os.environ.get("PAGEDLLM_SAMPLER", "sort"),
     }
+    if kernels:
+        summary["kernel_seconds"] = kernels
+        summary["gpu_busy_share"] = print_table(kernels, result.elapsed_s)
     columns = THROUGHPUT_COLUMNS + [("total_tokens_per_s", "total tok/s", "{:.1f}")]
     return Report("sharegpt", WORKLOADS["sharegpt"].description, [result], summary, columns)
 
