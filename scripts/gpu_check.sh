@@ -10,9 +10,10 @@
 #                  two GPUs), test-fp8-kv-cache (attention over an FP8 KV cache; greedy
 #                  agreement FP8 KV vs bf16 KV), test-sortfree-sampler (thresholds == the
 #                  sort at 128k vocab, chi-square of the draws), tp-parity (TP=2 == TP=1)
-#   sharegpt sharegpt-sortfree sharegpt-fp8 (not in the default list)
+#   sharegpt sharegpt-sortfree sharegpt-fp8 sharegpt-profile (not in the default list)
 #                  `pagedllm bench sharegpt` with PAGEDLLM_SAMPLER=sort, =sortfree, and
-#                  sortfree with --quantization fp8 --kv-cache-dtype fp8
+#                  sortfree with --quantization fp8 --kv-cache-dtype fp8; the default
+#                  again with --profile (kernel time by kind, the GPU-busy share)
 #   kernel-bench   `pagedllm bench kernels`: the kernel checks again, then their timings
 #   nano decode-8b throughput-8b prefix-8b
 #                  `pagedllm bench <workload>` (pagedllm/benchmarks/workloads.py)
@@ -170,11 +171,12 @@ for w in decode-8b throughput-8b; do
 done
 
 # The ShareGPT-like mix (not in the default steps): the sampler A/B and the FP8 KV cache.
-for w in sharegpt sharegpt-sortfree sharegpt-fp8; do
+for w in sharegpt sharegpt-sortfree sharegpt-fp8 sharegpt-profile; do
     sampler=sort extra=()
     case $w in
     sharegpt-sortfree) sampler=sortfree ;;
     sharegpt-fp8) sampler=sortfree extra=(--quantization fp8 --kv-cache-dtype fp8) ;;
+    sharegpt-profile) extra=(--profile) ;;
     esac
     run_step "$w" 480 "$LOGS/bench.log" env PAGEDLLM_SAMPLER=$sampler $PY "$WORK/bench.py" \
         sharegpt --out "$WORK/$w.json" ${extra[@]+"${extra[@]}"}
@@ -231,7 +233,7 @@ run_step tp-allreduce 600 "$LOGS/tp.log" $TPRUN "$WORK/bench.py" tp-allreduce --
         echo
         grep -E "^== |KV budget|KV cache:|CUDA graph|Traceback|Error" "$LOGS/bench.log" | cut -c1-160
         for w in $BENCHES decode-8b-fp8 throughput-8b-fp8 sharegpt sharegpt-sortfree \
-                sharegpt-fp8 tp-decode-8b tp-throughput-8b $SPEC_STEPS; do  # each table follows "results:"
+                sharegpt-fp8 sharegpt-profile tp-decode-8b tp-throughput-8b $SPEC_STEPS; do  # each table follows "results:"
             sed -n "/^results: .*\/$w.json/,/^== $w:/p" "$LOGS/bench.log" | sed '1s/^/\n/'
         done
     fi
