@@ -88,18 +88,20 @@ def pick_base(path: str, body: Any, bases: list[tuple[list[str], list[str]]]
     if not isinstance(body, dict):
         return 0
     base, name = body.get("base_model"), body.get("lora_name")
-    served = [n for names, _ in bases for n in names]
-    if isinstance(base, str):
-        index = next((i for i, (names, _) in enumerate(bases) if base in names), None)
-        return unknown_base(base, served) if index is None else index
-    if base is not None or not isinstance(name, str):
+    if (base is not None and not isinstance(base, str)) or not isinstance(name, str):
         return 0
-    if path == UNLOAD:  # the adapter's own base; none: the first base's 404
-        return next((i for i, (_, adapters) in enumerate(bases) if name in adapters), 0)
+    served = [n for names, _ in bases for n in names]
+    index = next((i for i, (names, _) in enumerate(bases) if base in names), None)
+    if base is not None and index is None:
+        return unknown_base(base, served)
+    if path == UNLOAD:  # no base_model: the adapter's own base; none: the first's 404
+        return index if index is not None else next(
+            (i for i, (_, adapters) in enumerate(bases) if name in adapters), 0)
     refusal = name_refusal(name, served, [a for _, adapters in bases for a in adapters])
-    return refusal or OpenAIError(
-        f"This server serves several base models ({', '.join(served)}): name the one to "
-        "load the adapter onto in `base_model`.", param="base_model")
+    if refusal is not None or index is not None:
+        return refusal or index
+    return OpenAIError(f"This server serves several base models ({', '.join(served)}): name "
+                       "the one to load the adapter onto in `base_model`.", param="base_model")
 
 
 def build_router(engine: AsyncLLMEngine, check_api_key: Any) -> APIRouter:
