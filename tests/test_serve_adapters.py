@@ -145,3 +145,15 @@ def test_clashing_adapter_names_are_refused_at_start(tmp_path, capsys, config, a
     assert main(["serve", "--port", "0", "--enable-lora", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_an_adapter_named_like_the_default_name_is_refused_once_loaded(default_gguf, capsys):
+    # The model's default name comes from its weights: checked after it loads.
+    argv = ["serve", "--port", "0", "--model", default_gguf, "--enable-lora", "--max-model-len",
+            "512", "--num-gpu-blocks-override", "8", "--lora-modules",
+            "SmolLM2-135M-Instruct=/p"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert ("the LoRA adapter 'SmolLM2-135M-Instruct' of " in err
+            and "is named like a served base model: give it another name" in err)
+    assert "Traceback" not in err
