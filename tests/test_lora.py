@@ -316,3 +316,89 @@ def test_server_loads_and_unloads_adapters(lora_server, llm, adapters, tmp_path)
     missing = post("/v1/unload_lora_adapter", {"lora_name": "adapter-c"})
     assert (missing.status_code, missing.json()["error"]["message"]) == (
         404, "The lora adapter 'adapter-c' cannot be found.")
+
+
+def lora_info(url: str) -> list:
+    """The samples of vllm:lora_requests_info in /metrics."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics").text
+    return [sample for family in text_string_to_metric_families(text)
+            if family.name == "vllm:lora_requests_info" for sample in family.samples]
+
+
+def test_metrics_name_the_running_and_waiting_adapters(lora_server, adapters):
+    import asyncio
+    import contextlib
+    import time
+
+    import httpx
+    import openai
+
+    url, auth = lora_server.url, {"Authorization": f"Bearer {KEY}"}
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+    base = httpx.get(url + "/v1/models", headers=auth).json()["data"][0]["id"]
+    # A third adapter over the two slots: its request waits while a and b run.
+    c = {"lora_name": "adapter-c2", "lora_path": adapters["c"][0].lora_path}
+    assert httpx.post(url + "/v1/load_lora_adapter", json=c, headers=auth,
+                      timeout=300).status_code == 200
+    long = dict(prompt=PROMPTS[2], max_tokens=400, temperature=0.0, stream=True,
+                extra_body={"ignore_eos": True})
+
+    async def labels_once(want: dict, deadline: float) -> dict:
+        while True:
+            (sample,) = await asyncio.to_thread(lora_info, url)
+            if all(sample.labels[k] == v for k, v in want.items()) or time.time() > deadline:
+                return sample
+
+    async def main() -> tuple:
+        streams = [await client.completions.create(model=m, **long)
+                   for m in ("adapter-a", "adapter-b")]
+        for stream in streams:  # both have a token: both run
+            await stream.__anext__()
+        waiter = asyncio.ensure_future(client.completions.create(model="adapter-c2", **long))
+        busy = await labels_once({"waiting_lora_adapters": "adapter-c2"}, time.time() + 120)
+        for stream in streams:
+            await stream.close()
+        waiter.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await (await waiter).close()  # its stream, if it had started one
+        idle = await labels_once({"running_lora_adapters": "", "waiting_lora_adapters": ""},
+                                 time.time() + 120)
+        return busy, idle
+
+    busy, idle = asyncio.run(main())
+    assert busy.labels == {"model_name": base, "max_lora": "2",
+                           "running_lora_adapters": "adapter-a,adapter-b",
+                           "waiting_lora_adapters": "adapter-c2"}
+    assert abs(busy.value - time.time()) < 300  # the unix time it was set
+    assert idle.labels == {"model_name": base, "max_lora": "2", "running_lora_adapters": "",
+                           "waiting_lora_adapters": ""}
+    assert httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "adapter-c2"},
+                      headers=auth).status_code == 200
+
+
+def test_one_base_takes_base_model_optionally(lora_server, adapters):
+    import httpx
+
+    url, auth = lora_server.url, {"Authorization": f"Bearer {KEY}"}
+    base = httpx.get(url + "/v1/models", headers=auth).json()["data"][0]["id"]
+    path = adapters["c"][0].lora_path
+
+    def load(body: dict) -> httpx.Response:
+        return httpx.post(url + "/v1/load_lora_adapter", json={"lora_path": path, **body},
+                          headers=auth, timeout=300)
+
+    wrong = load({"lora_name": "adapter-c3", "base_model": "nope"})
+    assert (wrong.status_code, wrong.json()["error"]) == (404, {
+        "message": f"The base model `nope` does not exist; this server serves: {base}",
+        "type": "invalid_request_error", "param": "base_model", "code": "model_not_found"})
+    like_base = load({"lora_name": base})
+    assert (like_base.status_code, like_base.json()["error"]["message"]) == (
+        400, f"The lora adapter '{base}' cannot be loaded: '{base}' is the name of a served "
+        "base model.")
+    assert load({"lora_name": "adapter-c3", "base_model": base}).status_code == 200
+    unloaded = httpx.post(url + "/v1/unload_lora_adapter", headers=auth,
+                          json={"lora_name": "adapter-c3", "base_model": base})
+    assert unloaded.status_code == 200, unloaded.text

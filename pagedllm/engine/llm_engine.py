@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedllm.engine.core import EngineCore, _unfreeze_heap  # noqa: F401 (tests reset it)
+from pagedllm.engine.lora_slots import adapter_names
 from pagedllm.engine.sequence import Sequence, SequenceGroup
 from pagedllm.engine_args import EngineArgs
 from pagedllm.lora import LoRARequest
@@ -35,6 +36,11 @@ class EngineStats:
     # Prompt tokens looked up in the prefix cache and found there, since the engine started.
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # With enable_lora: the slots, and the names of the adapters of the running requests
+    # and of the waiting ones (swapped out included), each name once, sorted.
+    max_loras: int = 0
+    running_lora_adapters: list[str] = field(default_factory=list)
+    waiting_lora_adapters: list[str] = field(default_factory=list)
 
     @property
     def spec_acceptance_rate(self) -> float:
@@ -187,6 +193,9 @@ class LLMEngine(EngineCore):
             spec_num_verified_rows=self.spec_stats.num_verified_rows,
             prefix_cache_queries=s.block_manager.gpu_allocator.num_cache_queries * self.block_size,
             prefix_cache_hits=s.block_manager.gpu_allocator.num_cache_hits * self.block_size,
+            max_loras=len(self.lora_slots.slot_ids) if self.lora_slots is not None else 0,
+            running_lora_adapters=adapter_names(s.running),
+            waiting_lora_adapters=adapter_names([*s.waiting, *s.swapped]),
         )
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:

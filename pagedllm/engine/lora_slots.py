@@ -23,6 +23,11 @@ def lora_int_id(group: SequenceGroup) -> int:
     return 0 if request is None else request.lora_int_id
 
 
+def adapter_names(groups: Iterable[SequenceGroup]) -> list[str]:
+    """The adapters `groups` run under, each name once, sorted (the base model's: none)."""
+    return sorted({g.lora_request.lora_name for g in groups if g.lora_request is not None})
+
+
 class LoRASlots:
     def __init__(self, max_loras: int) -> None:
         self.slot_ids: list[int | None] = [None] * max_loras  # lora_int_id per slot

@@ -213,6 +213,7 @@ def run_serve(args: argparse.Namespace) -> int:
     http = vllm_flags.http_config(args)
     vllm_flags.load_chat_template(args.chat_template)  # a missing file fails before loading
     namespaces = serve_models.model_namespaces(args)
+    serve_models.check_adapter_names(namespaces)  # before any model loads
     torchrun = torchrun_env()
     if torchrun is not None and len(namespaces) > 1:
         raise UsageError("several models in one server do not run under torchrun")
@@ -253,6 +254,7 @@ def _load_engines(namespaces: list[argparse.Namespace], log_stats: bool) -> list
 
     engines: list = []
     seen: set[str] = set()
+    names: list[serve_models.Names] = []  # the loaded models': adapter names stay unique
     for ns in namespaces:
         try:
             engine = load_engine(ns)
@@ -260,13 +262,18 @@ def _load_engines(namespaces: list[argparse.Namespace], log_stats: bool) -> list
             if len(namespaces) == 1:
                 raise
             raise UsageError(f"model {serve_models.label(ns)}: {exc}") from None
-        _register_lora_modules(engine, getattr(ns, "lora_modules", None))
         served = getattr(engine, "served_model_names", [engine.model_name])
         taken = seen.intersection(served)
         if taken:
             raise UsageError(f"two models are served as {sorted(taken)[0]!r}; give each its "
                              "own --served-model-name")
         seen.update(served)
+        label, _, adapters = serve_models.names_before_loading(ns)
+        names.append((label, list(served), adapters))
+        clash = serve_models.adapter_name_clash(names)
+        if clash is not None:
+            raise UsageError(clash)
+        _register_lora_modules(engine, getattr(ns, "lora_modules", None))
         engines.append(AsyncLLMEngine(engine, log_stats=log_stats))
     return engines
 

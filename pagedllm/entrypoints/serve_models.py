@@ -165,6 +165,43 @@ def check_memory_split(total: float | None, entries: list[dict[str, Any]],
                          f"{free} bytes of RAM free")
 
 
+Names = tuple[str, list[str], list[str]]  # a model's label, served names, adapter names
+
+
+def adapter_name_clash(models: list[Names]) -> str | None:
+    """Why these models' adapters cannot all be served: an adapter name used twice, or one
+    a base model is served as (a request's `model` must pick one thing); None if none."""
+    owner: dict[str, str] = {}
+    for label_, _, adapters in models:
+        for name in adapters:
+            if name in owner:
+                where = (f"twice by {label_}" if owner[name] == label_
+                         else f"by {owner[name]} and by {label_}")
+                return (f"the LoRA adapter name {name!r} is given {where}: adapter names "
+                        "are unique across the server")
+            owner[name] = label_
+    bases = {name for _, served, _ in models for name in served}
+    clash = next((name for name in owner if name in bases), None)
+    if clash is None:
+        return None
+    return (f"the LoRA adapter {clash!r} of {owner[clash]} is named like a served base "
+            "model: give it another name")
+
+
+def names_before_loading(ns: argparse.Namespace) -> Names:
+    """What is known of a model's names before it loads: the --served-model-name given
+    (its default name comes from the weights) and its --lora-modules."""
+    served = ns.served_model_name
+    served = [served] if isinstance(served, str) else list(served or [])
+    return label(ns), served, [name for name, _ in getattr(ns, "lora_modules", None) or []]
+
+
+def check_adapter_names(namespaces: list[argparse.Namespace]) -> None:
+    clash = adapter_name_clash([names_before_loading(ns) for ns in namespaces])
+    if clash is not None:
+        raise UsageError(clash)
+
+
 def _number(value: Any) -> float | None:
     """A single number (a per-device list "a,b" is left to the engine)."""
     try:

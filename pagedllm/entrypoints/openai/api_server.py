@@ -129,7 +129,8 @@ def _documented(*codes: int, ok: type | None = None, stream: bool = False) -> di
 
 def build_app(engine: AsyncLLMEngine, config: ServerConfig | None = None) -> FastAPI:
     config = config or ServerConfig()
-    metrics = ServerMetrics(engine.model_name, engine.max_model_len)
+    metrics = ServerMetrics(engine.model_name, engine.max_model_len,
+                            lora_routes.lora_enabled(engine))
     engine.observers.append(metrics)
     tokenizer = PromptTokenizer(engine.tokenizer, engine.max_model_len)
     completion = OpenAIServingCompletion(engine, tokenizer, config.max_tokens_default)

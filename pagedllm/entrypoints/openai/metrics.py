@@ -54,10 +54,17 @@ class _FromTotal:
 class ServerMetrics:
     """Every metric of the server, its series labelled with the served model's name."""
 
-    def __init__(self, model_name: str = "", max_model_len: int = 4096) -> None:
+    def __init__(self, model_name: str = "", max_model_len: int = 4096,
+                 enable_lora: bool = False) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         self._engine_metrics()
+        # vLLM's: one series, its labels the adapters now running and waiting, its value
+        # the unix time it was set (here: at each scrape). Only with LoRA, as vLLM.
+        self.lora_info = Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
+                               ["model_name", "max_lora", "waiting_lora_adapters",
+                                "running_lora_adapters"],
+                               registry=self.registry) if enable_lora else None
         self._request_metrics(max_model_len)
         # request id -> time its latest token was seen
         self._last_token_time: dict[str, float] = {}
@@ -213,4 +220,13 @@ class ServerMetrics:
         self.spec_accepted_tokens.set_total(getattr(stats, "spec_num_accepted_tokens", 0))
         self.spec_acceptance_rate.set(getattr(stats, "spec_acceptance_rate", 0.0))
         self.spec_mean_accepted_length.set(getattr(stats, "spec_mean_accepted_length", 0.0))
+        if self.lora_info is not None:
+            self._set_lora_info(stats)
         return generate_latest(self.registry)
+
+    def _set_lora_info(self, stats) -> None:
+        """The one current series (the last scrape's labels are dropped, not kept stale)."""
+        self.lora_info.clear()
+        self.lora_info.labels(self.model_name, str(stats.max_loras),
+                              ",".join(stats.waiting_lora_adapters),
+                              ",".join(stats.running_lora_adapters)).set_to_current_time()

@@ -4,6 +4,9 @@ request to the app of the model its body names.
 
 - A POST whose JSON body has a `model` goes to that model's app; a name no engine serves is a
   404 naming the served ones (after the key check: a caller without the key learns 401).
+- POST /v1/load_lora_adapter and /v1/unload_lora_adapter go to the app of the body's
+  `base_model` (unload without one: the app holding the adapter), refused when a load names
+  no base or takes a name the server already serves (openai/lora_routes.py).
 - Everything else (no body, no `model`: the web UI, /tokenizer_info, /v1/engine/state) goes
   to the first model's app, as vLLM sends a request without a model to its first name.
 - GET /v1/models lists every app's models (GET /v1/models/{id}: the app serving it);
@@ -21,7 +24,9 @@ from fastapi import FastAPI
 from starlette.responses import JSONResponse, Response
 from starlette.types import Message, Receive, Scope, Send
 
+from pagedllm.entrypoints.openai import lora_routes
 from pagedllm.entrypoints.openai.error_shape import error_body
+from pagedllm.entrypoints.openai.serving_engine import OpenAIError
 
 Names = Callable[[], list[str]]  # the names an app answers to, read at each request
 
@@ -33,6 +38,8 @@ class MultiModelApp:
         self.default = apps[0][0]
         self.max_request_bytes = max_request_bytes
         self.key_refusal = key_refusal  # the first app's: every app has the same key
+        # One load at a time: a name checked free on every base stays free until it is added.
+        self.lora_lock = asyncio.Lock()
 
     def app_for(self, model: str) -> FastAPI | None:
         for app, names in self.apps:
@@ -63,6 +70,9 @@ class MultiModelApp:
             return
         messages, body = await self.read_body(receive)
         replay = _replay(messages, receive)
+        if path in (lora_routes.LOAD, lora_routes.UNLOAD):
+            await self.lora_route(scope, replay, send, body)
+            return
         model = _model_of(body)
         if model is None:
             await self.default(scope, replay, send)
@@ -73,6 +83,21 @@ class MultiModelApp:
             await response(scope, replay, send)
             return
         await app(scope, replay, send)
+
+    async def lora_route(self, scope: Scope, receive: Receive, send: Send,
+                         body: bytes | None) -> None:
+        """A load or unload to the app of its base model, or its refusal (after the key)."""
+        engines = [app.state.engine for app, _ in self.apps]
+        bases = [(lora_routes.base_names(e), lora_routes.adapter_names(e)) for e in engines]
+        target = lora_routes.pick_base(scope["path"], _json_of(body), bases)
+        if isinstance(target, OpenAIError):
+            response = await self.key_refusal(scope) or JSONResponse(
+                error_body(scope["path"], target.status_code, target.message, param=target.param,
+                           code=target.code), status_code=target.status_code)
+            await response(scope, receive, send)
+            return
+        async with self.lora_lock:
+            await self.apps[target][0](scope, receive, send)
 
     def unknown_model(self, path: str, model: str) -> Response:
         served = ", ".join(self.served_names())
@@ -148,13 +173,17 @@ def join_expositions(texts: list[str]) -> str:
     return "".join(line + "\n" for name in order for line in families[name])
 
 
-def _model_of(body: bytes | None) -> str | None:
+def _json_of(body: bytes | None) -> object:
     if not body:
         return None
     try:
-        parsed = json.loads(body)
+        return json.loads(body)
     except (ValueError, UnicodeDecodeError):
         return None  # the app's own 400 names the problem
+
+
+def _model_of(body: bytes | None) -> str | None:
+    parsed = _json_of(body)
     model = parsed.get("model") if isinstance(parsed, dict) else None
     return model if isinstance(model, str) else None
 
