@@ -172,14 +172,14 @@ def adapter_name_clash(models: list[Names]) -> str | None:
     """Why these models' adapters cannot all be served: an adapter name used twice, or one
     a base model is served as (a request's `model` must pick one thing); None if none."""
     owner: dict[str, str] = {}
-    for label_, _, adapters in models:
+    for model, _, adapters in models:
         for name in adapters:
             if name in owner:
-                where = (f"twice by {label_}" if owner[name] == label_
-                         else f"by {owner[name]} and by {label_}")
+                where = (f"twice by {model}" if owner[name] == model
+                         else f"by {owner[name]} and by {model}")
                 return (f"the LoRA adapter name {name!r} is given {where}: adapter names "
                         "are unique across the server")
-            owner[name] = label_
+            owner[name] = model
     bases = {name for _, served, _ in models for name in served}
     clash = next((name for name in owner if name in bases), None)
     if clash is None:

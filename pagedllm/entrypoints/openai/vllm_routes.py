@@ -15,9 +15,7 @@ _NOT_FOUND = {404: {"model": ErrorResponse, "description": "Unknown model (code 
                     "`model_not_found`) / a model without a tokenizer"}}
 
 
-def served_names(engine: AsyncLLMEngine) -> list[str]:
-    """Every --served-model-name (the first is the one responses carry)."""
-    return list(getattr(engine.engine, "served_model_names", [engine.model_name]))
+served_names = lora_routes.base_names  # every --served-model-name
 
 
 def served_and_adapter_names(engine: AsyncLLMEngine) -> list[str]:
