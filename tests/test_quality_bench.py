@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from pagedllm.benchmarks import quality_bench
+from pagedllm.benchmarks import quality_bench, server_process
 from pagedllm.entrypoints.cli import run_bench
 
 ITEMS = [json.loads(line) for line in (quality_bench.DATA / "facts.jsonl").read_text().splitlines()]
@@ -29,7 +29,7 @@ def test_lm_eval_builds_the_task_from_the_yaml_in_the_repository_root(monkeypatc
     pytest.importorskip("lm_eval")
     from lm_eval.tasks import TaskManager
 
-    monkeypatch.chdir(quality_bench.ROOT)  # as `lm_eval --include_path ...` run there
+    monkeypatch.chdir(server_process.ROOT)  # as `lm_eval --include_path ...` run there
     manager = TaskManager(include_path=str(quality_bench.DATA), include_defaults=False)
     task = manager.load(["pagedllm_facts"])["tasks"]["pagedllm_facts"]
     assert task.OUTPUT_TYPE == "multiple_choice"

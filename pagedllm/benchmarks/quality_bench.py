@@ -18,20 +18,17 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
+
+from pagedllm.benchmarks.server_process import ServerProcess
 
 DATA = Path(__file__).parent / "data"
 TASK_YAML = DATA / "facts.yaml"
 TARGET_POINTS = 1.0
-ROOT = str(Path(__file__).resolve().parents[2])  # the pagedllm being measured
 INSTALL = "lm-eval is not installed: pip install 'pagedllm[eval]' (or: pip install lm-eval)"
 COLUMNS = [("name", "--cpu-activations", "{}"), ("items", "items", "{}"),
            ("acc", "acc", "{:.4f}"), ("acc_stderr", "acc stderr", "{:.4f}"),
@@ -47,59 +44,6 @@ def task_config(limit_path: Path | None = None) -> dict[str, Any]:
     config = yaml.safe_load(TASK_YAML.read_text())
     config["dataset_kwargs"]["data_files"]["test"] = str(limit_path or DATA / "facts.jsonl")
     return config
-
-
-class Server:
-    """`pagedllm serve --port 0 ARGS` in a child process, its output in a file (a pipe
-    nobody reads would fill and stall it); stopped with SIGINT as Ctrl-C."""
-
-    def __init__(self, args: list[str], timeout: float) -> None:
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="pagedllm-serve-", suffix=".log")
-        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", "0", *args],
-            stdout=self.log, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
-        try:
-            self.url = self._wait_healthy(timeout)
-            with urllib.request.urlopen(self.url + "/v1/models", timeout=60) as response:
-                self.model = json.load(response)["data"][0]["id"]
-        except BaseException:
-            self.stop()
-            raise
-
-    def tail(self) -> str:
-        lines = Path(self.log.name).read_text().strip().splitlines()
-        return lines[-1] if lines else "(no output)"
-
-    def _wait_healthy(self, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        url = None
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"`pagedllm serve` exited with {self.proc.returncode}: "
-                                   f"{self.tail()}")
-            if url is None:
-                found = re.search(r" at (http://\S+)", Path(self.log.name).read_text())
-                url = found.group(1) if found else None
-            if url is not None:
-                try:
-                    with urllib.request.urlopen(url + "/health", timeout=10) as response:
-                        if response.status == 200:
-                            return url
-                except OSError:
-                    pass
-            time.sleep(0.1)
-        raise RuntimeError(f"`pagedllm serve` did not answer /health in {timeout:.0f} s")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
 
 
 def evaluate(url: str, model: str, task: dict, concurrent: int) -> tuple[dict, list[int]]:
@@ -125,14 +69,15 @@ def run_mode(mode: str, args: Any, task: dict) -> tuple[dict, list[int]]:
     serve_args = ["--cpu-activations", mode, "--max-num-batched-tokens", "64"]
     if args.model:
         serve_args += ["--model", args.model]
-    server = Server(serve_args, timeout=600)
+    server = ServerProcess(serve_args, timeout=600)
     try:
+        model = server.served_model()
         start = time.perf_counter()
-        metrics, picks = evaluate(server.url, server.model, task, args.num_concurrent)
+        metrics, picks = evaluate(server.url, model, task, args.num_concurrent)
         elapsed = time.perf_counter() - start
     finally:
         server.stop()
-    row = {"name": mode, "model": server.model, "items": len(picks), "eval_s": elapsed}
+    row = {"name": mode, "model": model, "items": len(picks), "eval_s": elapsed}
     for key in ("acc", "acc_norm"):
         row[key] = metrics[f"{key},none"]
         row[f"{key}_stderr"] = metrics[f"{key}_stderr,none"]

@@ -15,9 +15,7 @@ import itertools
 import json
 import math
 import random
-import re
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -25,6 +23,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from pagedllm.benchmarks import machine
+from pagedllm.benchmarks.server_process import ServerProcess
 from pagedllm.entrypoints.usage import Parser, UsageError
 
 PROMPTS = [
@@ -189,23 +188,6 @@ def format_summary(summary: dict[str, float | None], load: str) -> str:
     ])
 
 
-def start_server(serve_args: list[str], timeout: float = 600) -> tuple[subprocess.Popen, str]:
-    """`pagedllm serve --port 0 ...` in a child process; returns it and the URL it printed."""
-    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", "0", *serve_args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + timeout
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        found = re.search(r" at (http://\S+)", line)
-        if found:
-            return proc, found.group(1)
-        if time.monotonic() > deadline:
-            break
-    proc.kill()
-    proc.wait()
-    raise RuntimeError(f"the server did not start (exit code {proc.returncode})")
-
-
 def request_rate(value: str) -> float:
     try:
         rate = float(value)
@@ -280,22 +262,21 @@ def main(argv: list[str]) -> int:
     if args.url and serve_args:
         raise UsageError(f"unrecognized arguments: {' '.join(serve_args)}")
 
-    proc = None
-    url = args.url
+    server, url = None, args.url
     if url is None:
         serve_args = serve_args + (["--api-key", args.api_key] if args.api_key else [])
         try:
-            proc, url = start_server(serve_args)
+            server = ServerProcess(serve_args)
         except RuntimeError as exc:
             raise UsageError(str(exc)) from None
+        url = server.url
     try:
         runs = _runs(args, url.rstrip("/"))
     except httpx.HTTPError as exc:
         raise UsageError(f"cannot reach the server at {url}: {exc}") from None
     finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(timeout=30)
+        if server is not None:
+            server.stop()
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out_report(args, argv, serve_args, runs), f, indent=2)
