@@ -121,11 +121,12 @@ class StaticLoRARows:
         padded = torch.full((bucket,), -1, dtype=torch.int64)
         padded[: len(slots)] = slots
         perm, starts = segments(padded, self.num_slots)
+        pin = any(d.type == "cuda" for d in self.perm)
+        if pin:  # pinned once for every device: the copies can then be asynchronous
+            perm, starts = perm.pin_memory(), starts.pin_memory()
         for d in self.perm:
-            pin = d.type == "cuda"
-            src = [t.pin_memory() if pin else t for t in (perm, starts)]
-            self.perm[d][:bucket].copy_(src[0], non_blocking=pin)
-            self.starts[d].copy_(src[1], non_blocking=pin)
+            self.perm[d][:bucket].copy_(perm, non_blocking=d.type == "cuda")
+            self.starts[d].copy_(starts, non_blocking=d.type == "cuda")
         self.num_rows, self.loaded = bucket, (slots, bucket)
 
 
