@@ -8,6 +8,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from pagedllm.startup import paused_gc as _paused_gc
+
 if TYPE_CHECKING:
     from pagedllm.entrypoints.llm import LLM
     from pagedllm.lora.request import LoRARequest
@@ -33,7 +35,8 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     if name not in _EXPORTS:
         raise AttributeError(f"module 'pagedllm' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    with _paused_gc(freeze=True):  # the first of these imports torch
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
     globals()[name] = value
     return value
 
