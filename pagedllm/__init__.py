@@ -6,9 +6,14 @@ SamplingParams` do not pay for importing torch.
 from __future__ import annotations
 
 import importlib
+import os
 from typing import TYPE_CHECKING
 
 from pagedllm.startup import paused_gc as _paused_gc
+
+# torch's import scans the entry points of every installed package for out-of-tree device
+# backends; pagedllm runs on CPU and CUDA, which torch has built in. Set to 1 to scan.
+os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 if TYPE_CHECKING:
     from pagedllm.entrypoints.llm import LLM

@@ -4,6 +4,7 @@ collector running."""
 from __future__ import annotations
 
 import gc
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -64,3 +65,16 @@ def test_import_leaves_the_collector_running() -> None:
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert int(out.stdout.strip()) > 10_000  # torch's modules, frozen once imported
+
+
+@pytest.mark.parametrize("env, expected", [({}, "False"),
+                                           ({"TORCH_DEVICE_BACKEND_AUTOLOAD": "1"}, "True")])
+def test_torch_backend_autoload_off_unless_asked(env: dict, expected: str) -> None:
+    """pagedllm turns off torch's scan for out-of-tree device backends; a user's own
+    setting wins."""
+    code = "import pagedllm, torch; print(torch._is_device_backend_autoload_enabled())"
+    base = {k: v for k, v in os.environ.items() if k != "TORCH_DEVICE_BACKEND_AUTOLOAD"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300, env={**base, **env})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == expected
