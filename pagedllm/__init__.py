@@ -6,7 +6,14 @@ SamplingParams` do not pay for importing torch.
 from __future__ import annotations
 
 import importlib
+import os
 from typing import TYPE_CHECKING
+
+from pagedllm.startup import paused_gc as _paused_gc
+
+# torch's import scans the entry points of every installed package for out-of-tree device
+# backends; pagedllm runs on CPU and CUDA, which torch has built in. Set to 1 to scan.
+os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 if TYPE_CHECKING:
     from pagedllm.entrypoints.llm import LLM
@@ -33,7 +40,8 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     if name not in _EXPORTS:
         raise AttributeError(f"module 'pagedllm' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    with _paused_gc(freeze=True):  # the first of these imports torch
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
     globals()[name] = value
     return value
 

@@ -20,7 +20,8 @@ GROUND_FLOOR = {"pagedllm.config", "pagedllm.outputs", "pagedllm.sampling_params
                 "pagedllm.contract",
                 "pagedllm.pooling_params",
                 "pagedllm.structured_grammar",
-                "pagedllm.engine_args"}
+                "pagedllm.engine_args",
+                "pagedllm.startup"}
 PACKAGES = ["distributed", "kernels", "layers", "models", "loader", "lora", "worker", "engine", "entrypoints",
             "benchmarks"]
 

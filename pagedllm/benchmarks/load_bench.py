@@ -86,6 +86,12 @@ print(json.dumps({"import_s": imported - start, "load_s": time.perf_counter() - 
 """
 
 
+# A newcomer's Python caches each compiled module (__pycache__); with this variable set every
+# process compiles pagedllm's own sources again, a cost a newcomer does not pay.
+BYTECODE_NOTE = ("note: PYTHONDONTWRITEBYTECODE is set, so each process above compiled "
+                 "pagedllm's sources again; unset it (and run twice) to measure the start a "
+                 "newcomer's cached bytecode gives")
+
 ROOT = str(Path(__file__).resolve().parents[2])  # the pagedllm being measured
 
 
@@ -270,7 +276,8 @@ def main(argv: list[str]) -> int:
     except RuntimeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    load = {"cores": os.cpu_count(), "load_before": before, "load_after": os.getloadavg()[0]}
+    load = {"cores": os.cpu_count(), "load_before": before, "load_after": os.getloadavg()[0],
+            "bytecode_cached": not os.environ.get("PYTHONDONTWRITEBYTECODE")}
     if args.out:
         from pagedllm.benchmarks import machine
 
@@ -283,4 +290,6 @@ def main(argv: list[str]) -> int:
         print(format_table(rows))
         print(f"median (min-max) of {args.repeats} fresh processes each; {load['cores']} cores, "
               f"load average {load['load_before']:.1f} before, {load['load_after']:.1f} after")
+        if not load["bytecode_cached"]:
+            print(BYTECODE_NOTE)
     return 0

@@ -16,6 +16,7 @@ from pagedllm.engine_args import EngineArgs
 from pagedllm.lora import LoRARequest
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.startup import paused_gc
 
 @dataclass
 class EngineStats:
@@ -61,7 +62,8 @@ class LLMEngine(EngineCore):
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
-        return cls(args)
+        with paused_gc():  # a build makes long-lived objects only (pagedllm/startup.py)
+            return cls(args)
 
     # ----------------------------------------------------------------- requests
     def add_request(

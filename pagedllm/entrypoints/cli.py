@@ -18,6 +18,7 @@ from typing import NoReturn
 
 from pagedllm.entrypoints.usage import EXIT_USAGE, Parser, UsageError
 from pagedllm.entrypoints import lora_flags, serve_models, vllm_flags
+from pagedllm.startup import paused_gc
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -156,8 +157,9 @@ def run_command(argv: list[str]) -> int:
 
 def load_engine(args: argparse.Namespace):
     """Build the LLMEngine, showing progress on stderr; bad options or models -> UsageError."""
-    from pagedllm.engine_args import EngineArgs
-    from pagedllm.engine.llm_engine import LLMEngine
+    with paused_gc(freeze=True):  # imports torch
+        from pagedllm.engine_args import EngineArgs
+        from pagedllm.engine.llm_engine import LLMEngine
 
     try:
         engine_args = EngineArgs.from_cli_args(args)
@@ -198,8 +200,9 @@ def _show_progress_logs(level: int = logging.INFO) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    from pagedllm.distributed.parallel_state import torchrun_env
-    from pagedllm.entrypoints.openai.api_server import ServerConfig, bind_socket, serve
+    with paused_gc(freeze=True):  # imports torch, FastAPI and pydantic
+        from pagedllm.distributed.parallel_state import torchrun_env
+        from pagedllm.entrypoints.openai.api_server import ServerConfig, bind_socket, serve
 
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in [0, 65535], got {args.port}")
