@@ -1040,13 +1040,31 @@ static inline __attribute__((always_inline)) float q8_row_dot(int64_t QT, const 
 }
 
 /* Rows [j0, j1) of W against one quantized activation row. */
+#define PREFETCH_AHEAD 2048
+
+/* Rows [j0, j1) of W, one by one; the bytes PREFETCH_AHEAD past each row are asked for
+ * as it starts, so that a small matrix's share streams from memory at full rate from
+ * its first rows on (the hardware prefetcher needs a run of misses to start). */
+static inline __attribute__((always_inline)) void q8_rows_of(int64_t QT, float *out, Q8Row x,
+                                                             const uint8_t *w, int64_t j0,
+                                                             int64_t j1, int64_t k) {
+    const int64_t row_bytes = gguf_row_bytes(QT, k), nb = k / 32;
+    const char *end = (const char *)(w + j1 * row_bytes);
+    const char *ahead = (const char *)(w + j0 * row_bytes);
+    for (int64_t j = j0; j < j1; j++) {
+        const char *stop = (const char *)(w + (j + 1) * row_bytes) + PREFETCH_AHEAD;
+        for (stop = stop < end ? stop : end; ahead < stop; ahead += 64)
+            _mm_prefetch(ahead, _MM_HINT_T0);
+        out[j] = q8_row_dot(QT, w + j * row_bytes, x, nb);
+    }
+}
+
 static void q8_row_range(float *out, Q8Row x, const uint8_t *w, int64_t qtype, int64_t j0,
                          int64_t j1, int64_t k) {
-    const int64_t row_bytes = gguf_row_bytes(qtype, k), nb = k / 32;
     switch (qtype) {
-    case Q8_0: for (int64_t j = j0; j < j1; j++) out[j] = q8_row_dot(Q8_0, w + j * row_bytes, x, nb); break;
-    case Q4_0: for (int64_t j = j0; j < j1; j++) out[j] = q8_row_dot(Q4_0, w + j * row_bytes, x, nb); break;
-    default: for (int64_t j = j0; j < j1; j++) out[j] = q8_row_dot(Q4_1, w + j * row_bytes, x, nb); break;
+    case Q8_0: q8_rows_of(Q8_0, out, x, w, j0, j1, k); break;
+    case Q4_0: q8_rows_of(Q4_0, out, x, w, j0, j1, k); break;
+    default: q8_rows_of(Q4_1, out, x, w, j0, j1, k); break;
     }
 }
 
