@@ -1095,6 +1095,17 @@ static void q8_matmul_row(float *out, const float *x, const uint8_t *w, int64_t 
     }
 }
 
+/* The one-row int8 path in pieces, for a caller that shares the rows among its threads
+ * itself (fused_decode.c): the activation row quantized once, then any range of W. */
+void gguf_q8_quantize_row(int8_t *q, float *dx, const float *x, int64_t k, int64_t qtype) {
+    quantize_q8_row(x, k, qtype, q, dx);
+}
+
+void gguf_q8_row_matmul(float *out, const int8_t *q, const float *dx, const uint8_t *w,
+                        int64_t qtype, int64_t j0, int64_t j1, int64_t k) {
+    q8_row_range(out, (Q8Row){q, dx}, w, qtype, j0, j1, k);
+}
+
 static void q8_matmul(float *out, int64_t ldo, const float *x, int64_t ldx, int64_t rows,
                       const uint8_t *w, int64_t qtype, int64_t n, int64_t k,
                       int64_t num_threads) {
@@ -1130,6 +1141,18 @@ static void q8_matmul(float *out, int64_t ldo, const float *x, int64_t ldx, int6
     free(dbuf);
 }
 #endif
+
+/* Whether qtype (its GGUF_INT8_ACTIVATIONS flag included) runs gguf_q8_row_matmul in
+ * this build. */
+int64_t gguf_q8_row_supported(int64_t qtype) {
+#ifdef QUANT_AVX2
+    const int64_t t = qtype & ~(int64_t)GGUF_INT8_ACTIVATIONS;
+    return (qtype & GGUF_INT8_ACTIVATIONS) && (t == Q4_0 || t == Q4_1 || t == Q8_0);
+#else
+    (void)qtype;
+    return 0;
+#endif
+}
 
 /* out[r * ldo + j] = x[r] . W[j] for the activation rows x [rows, ldx] (k
  * used) and the n packed rows of W; out may be a column slice of a wider output. qtype
