@@ -14,6 +14,8 @@ from pagedllm.kernels.cpu import build
 from pagedllm.layers import dispatch
 from tests.paged_helpers import NEAR_TIE_ACROSS_BATCH_SHAPES, PagedRunner, assert_same_greedy
 from tests.prompts import OPENINGS, QUESTIONS, SHARED_PREFIX
+import tests.test_gguf_model as gguf_model_tests
+from tests.quant_helpers import QT
 from tests.test_gguf_model import VOCAB, write_mixed_gguf
 
 pytestmark = pytest.mark.skipif(build.load_library() is None,
@@ -79,6 +81,32 @@ def test_tiny_model_decode_matches_the_per_op_path(tiny, num_seqs):
         assert fused == 1
         assert_close(got, want)
         tokens = {s: int(row.argmax()) for s, row in zip(tokens, want)}
+
+
+# Every projection in a type with 8-bit activations: a one-row step runs fused_decode.c's
+# shared-queue path (the threads claim chunks of rows), the per-op path the same kernel.
+INT8_TYPES = {"attn_q": QT.Q4_0, "attn_k": QT.Q8_0, "attn_v": QT.Q4_1, "attn_output": QT.Q4_1,
+              "ffn_gate": QT.Q8_0, "ffn_up": QT.Q4_0, "ffn_down": QT.Q4_1, "output": QT.Q8_0}
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int8_one_row_decode_matches_the_per_op_path(tmp_path, monkeypatch, threads):
+    monkeypatch.setattr(gguf_model_tests, "TYPES", INT8_TYPES)
+    model = tiny_llm(tmp_path, cpu_activations="int8").engine.worker.model
+    rng = np.random.default_rng(threads)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        both = PerOpAndFused(model)
+        want, got, fused = both.step({0: rng.integers(0, VOCAB, 11).tolist()})
+        token = int(want[-1].argmax())
+        for _ in range(12):  # crossing blocks of 4 tokens
+            want, got, fused = both.step({0: [token]})
+            assert fused == 1
+            assert_close(got, want)
+            token = int(want[0].argmax())
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_tiny_model_mixed_step_takes_the_per_op_path(tiny):

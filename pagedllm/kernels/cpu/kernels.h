@@ -12,6 +12,12 @@
 void gguf_matmul_f32(float *out, int64_t ldo, const float *x, int64_t ldx, int64_t rows,
                      const uint8_t *w, int64_t qtype, int64_t n, int64_t k,
                      int64_t num_threads);
+/* One activation row, 8-bit, for rows [j0, j1) of W at a time (quant.c): q [k], dx
+ * [k / 16]; only where gguf_q8_row_supported(qtype). */
+int64_t gguf_q8_row_supported(int64_t qtype);
+void gguf_q8_quantize_row(int8_t *q, float *dx, const float *x, int64_t k, int64_t qtype);
+void gguf_q8_row_matmul(float *out, const int8_t *q, const float *dx, const uint8_t *w,
+                        int64_t qtype, int64_t j0, int64_t j1, int64_t k);
 void rms_norm_f32(float *out, float *residual_out, const float *x, const float *residual_in,
                   const float *weight, int64_t rows, int64_t dim, float eps,
                   int64_t num_threads);

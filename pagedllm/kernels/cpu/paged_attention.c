@@ -215,6 +215,8 @@ static void attend_group_avx2(float *out, const float *q, const float *key_cache
 }
 #endif
 
+#define ATTEND_PARALLEL_WORK (1 << 17) /* tokens x heads x head_dim */
+
 /* One OpenMP task per (sequence, KV head): a single sequence's heads spread over the
  * threads too. Each query head's arithmetic is the same however the tasks fall. */
 void paged_attention_decode_f32(float *out, const float *query, const float *key_cache,
@@ -225,7 +227,11 @@ void paged_attention_decode_f32(float *out, const float *query, const float *key
                                 int64_t sliding_window, const float *alibi,
                                 int64_t max_seq_len, int64_t num_threads) {
     const int64_t group = num_heads / num_kv_heads, tasks = num_seqs * num_kv_heads;
-#pragma omp parallel num_threads(num_threads) if (tasks > 1)
+    /* a step too small to share (one short sequence) runs on the calling thread: waking
+     * the others and waiting for them costs more than the work */
+    int64_t tokens = 0;
+    for (int64_t s = 0; s < num_seqs; s++) tokens += seq_lens[s];
+#pragma omp parallel num_threads(num_threads) if (tasks > 1 && tokens * num_heads * head_dim >= ATTEND_PARALLEL_WORK)
     {
         const int64_t cap = max_seq_len > 0 ? max_seq_len : 1;
         float *scores = malloc(sizeof(float) * group * cap);

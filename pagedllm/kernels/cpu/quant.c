@@ -983,6 +983,129 @@ static inline __attribute__((always_inline)) void q8_rows(int64_t QT, const uint
     default: q8_rows(QT, row, xr, r0, k, 8, o, ldo); break;                                  \
     }
 
+/* ---- one activation row (a single stream's decode): the row's blocks lie contiguously,
+ * each block's dx paired with its offset factor (xo: sx, Q4_0 -8 sx, Q8_0 0), so that the
+ * weight block's [d, m] (Q4_1; Q4_0 and Q8_0: [d, d]) times one 64-bit load of [dx, xo]
+ * gives [d * dx, m * xo] in one multiply: the first scales the integer sum, the second
+ * adds to the offset term. Even and odd blocks use separate accumulators. */
+typedef struct {
+    const int8_t *q;  /* [k] */
+    const float *dx;  /* [k / 32][2]: dx, xo */
+} Q8Row;
+
+static inline __attribute__((always_inline)) void q8_row_block(int64_t QT, const uint8_t *row,
+                                                               int64_t j, Q8Row x, __m256 *acc,
+                                                               __m128 *corr) {
+    const __m128 xd = _mm_castpd_ps(_mm_load_sd((const double *)(x.dx + 2 * j)));
+    const __m256i xq = _mm256_loadu_si256((const __m256i *)(x.q + 32 * j));
+    __m128 f;
+    __m256i w, xs;
+    if (QT == Q8_0) {
+        const uint8_t *b = row + j * 34;
+        f = _mm_mul_ps(_mm_set1_ps(fp16_to_fp32(b)), xd);
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(b + 2));
+        w = _mm256_sign_epi8(v, v);
+        xs = _mm256_sign_epi8(xq, v);
+    } else {
+        const uint8_t *b = row + j * (QT == Q4_0 ? 18 : 20);
+        int32_t bits;
+        memcpy(&bits, b, sizeof bits);
+        __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
+        if (QT == Q4_0) dm = _mm_moveldup_ps(dm);
+        f = _mm_mul_ps(dm, xd);
+        *corr = _mm_add_ps(*corr, f);
+        /* the 16 bytes in both lanes; the upper lane shifted to its high nibbles */
+        const __m256i bytes = _mm256_broadcastsi128_si256(
+            _mm_loadu_si128((const __m128i *)(b + (QT == Q4_0 ? 2 : 4))));
+        w = _mm256_and_si256(_mm256_srlv_epi64(bytes, _mm256_setr_epi64x(0, 0, 4, 4)),
+                             _mm256_set1_epi8(0x0f));
+        xs = xq;
+    }
+    const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(w, xs));
+    *acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(f), p, *acc);
+}
+
+static inline __attribute__((always_inline)) float q8_row_dot(int64_t QT, const uint8_t *row,
+                                                              Q8Row x, int64_t nb) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    __m128 corr0 = _mm_setzero_ps(), corr1 = _mm_setzero_ps();
+    int64_t j = 0;
+    for (; j + 2 <= nb; j += 2) {
+        q8_row_block(QT, row, j, x, &acc0, &corr0);
+        q8_row_block(QT, row, j + 1, x, &acc1, &corr1);
+    }
+    if (j < nb) q8_row_block(QT, row, j, x, &acc0, &corr0);
+    const __m128 corr = _mm_add_ps(corr0, corr1);
+    return hsum256(_mm256_add_ps(acc0, acc1)) + _mm_cvtss_f32(_mm_movehdup_ps(corr));
+}
+
+/* Rows [j0, j1) of W against one quantized activation row. */
+#define PREFETCH_AHEAD 2048
+
+/* Rows [j0, j1) of W, one by one; the bytes PREFETCH_AHEAD past each row are asked for
+ * as it starts, so that a small matrix's share streams from memory at full rate from
+ * its first rows on (the hardware prefetcher needs a run of misses to start). */
+static inline __attribute__((always_inline)) void q8_rows_of(int64_t QT, float *out, Q8Row x,
+                                                             const uint8_t *w, int64_t j0,
+                                                             int64_t j1, int64_t k) {
+    const int64_t row_bytes = gguf_row_bytes(QT, k), nb = k / 32;
+    const char *end = (const char *)(w + j1 * row_bytes);
+    const char *ahead = (const char *)(w + j0 * row_bytes);
+    for (int64_t j = j0; j < j1; j++) {
+        const char *stop = (const char *)(w + (j + 1) * row_bytes) + PREFETCH_AHEAD;
+        for (stop = stop < end ? stop : end; ahead < stop; ahead += 64)
+            _mm_prefetch(ahead, _MM_HINT_T0);
+        out[j] = q8_row_dot(QT, w + j * row_bytes, x, nb);
+    }
+}
+
+static void q8_row_range(float *out, Q8Row x, const uint8_t *w, int64_t qtype, int64_t j0,
+                         int64_t j1, int64_t k) {
+    switch (qtype) {
+    case Q8_0: q8_rows_of(Q8_0, out, x, w, j0, j1, k); break;
+    case Q4_0: q8_rows_of(Q4_0, out, x, w, j0, j1, k); break;
+    default: q8_rows_of(Q4_1, out, x, w, j0, j1, k); break;
+    }
+}
+
+/* One activation row x [k] quantized for weights of type qtype: q [k], dx [k / 32][2]. */
+static void quantize_q8_row(const float *x, int64_t k, int64_t qtype, int8_t *q, float *dx) {
+    quantize_row_q8(x, k, q, 32, dx, dx + 1, 2);
+    const float f = qtype == Q4_0 ? -8.0f : qtype == Q8_0 ? 0.0f : 1.0f;
+    for (int64_t b = 0; b < k / 32; b++) dx[2 * b + 1] *= f;
+}
+
+static void q8_matmul_row(float *out, const float *x, const uint8_t *w, int64_t qtype,
+                          int64_t n, int64_t k, int64_t num_threads) {
+    int8_t q[k] __attribute__((aligned(32)));
+    float dx[k / 16] __attribute__((aligned(32)));
+    quantize_q8_row(x, k, qtype, q, dx);
+    const Q8Row xr = {q, dx};
+#pragma omp parallel num_threads(num_threads) if (n * k >= 65536)
+    {
+#ifdef _OPENMP
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+        const int64_t t = 0, nt = 1;
+#endif
+        /* contiguous shares of whole 16-row groups (a cache line of output each) */
+        const int64_t share = ((n + nt - 1) / nt + 15) & ~(int64_t)15;
+        const int64_t j0 = t * share < n ? t * share : n, j1 = j0 + share < n ? j0 + share : n;
+        q8_row_range(out, xr, w, qtype, j0, j1, k);
+    }
+}
+
+/* The one-row int8 path in pieces, for a caller that shares the rows among its threads
+ * itself (fused_decode.c): the activation row quantized once, then any range of W. */
+void gguf_q8_quantize_row(int8_t *q, float *dx, const float *x, int64_t k, int64_t qtype) {
+    quantize_q8_row(x, k, qtype, q, dx);
+}
+
+void gguf_q8_row_matmul(float *out, const int8_t *q, const float *dx, const uint8_t *w,
+                        int64_t qtype, int64_t j0, int64_t j1, int64_t k) {
+    q8_row_range(out, (Q8Row){q, dx}, w, qtype, j0, j1, k);
+}
+
 static void q8_matmul(float *out, int64_t ldo, const float *x, int64_t ldx, int64_t rows,
                       const uint8_t *w, int64_t qtype, int64_t n, int64_t k,
                       int64_t num_threads) {
@@ -1019,6 +1142,18 @@ static void q8_matmul(float *out, int64_t ldo, const float *x, int64_t ldx, int6
 }
 #endif
 
+/* Whether qtype (its GGUF_INT8_ACTIVATIONS flag included) runs gguf_q8_row_matmul in
+ * this build. */
+int64_t gguf_q8_row_supported(int64_t qtype) {
+#ifdef QUANT_AVX2
+    const int64_t t = qtype & ~(int64_t)GGUF_INT8_ACTIVATIONS;
+    return (qtype & GGUF_INT8_ACTIVATIONS) && (t == Q4_0 || t == Q4_1 || t == Q8_0);
+#else
+    (void)qtype;
+    return 0;
+#endif
+}
+
 /* out[r * ldo + j] = x[r] . W[j] for the activation rows x [rows, ldx] (k
  * used) and the n packed rows of W; out may be a column slice of a wider output. qtype
  * with GGUF_INT8_ACTIVATIONS set takes the 8-bit activation path where it applies (AVX2,
@@ -1029,6 +1164,10 @@ void gguf_matmul_f32(float *out, int64_t ldo, const float *x, int64_t ldx, int64
     const int int8_activations = (qtype & GGUF_INT8_ACTIVATIONS) != 0;
     qtype &= ~(int64_t)GGUF_INT8_ACTIVATIONS;
 #ifdef QUANT_AVX2
+    if (int8_activations && rows == 1 && (qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0)) {
+        q8_matmul_row(out, x, w, qtype, n, k, num_threads);
+        return;
+    }
     if (int8_activations && rows <= Q8_MAX_ROWS &&
         (qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0)) {
         q8_matmul(out, ldo, x, ldx, rows, w, qtype, n, k, num_threads);
