@@ -10,7 +10,7 @@ chunks, one program each, and the last chunk to finish merges the row's chunks
 
 The race: argmax_i (x_i / T + G_i) with G_i = -log(-log U_i) standard Gumbel noise picks
 token i with probability softmax(x / T)_i (the exponential race of layers/sampler.py in
-log space). U comes from Philox (tl.rand) keyed by the row's seed and the token's index, so
+log space). U comes from Philox (tl.rand4x) keyed by the row's seed and the token's index, so
 a row's draw depends only on its seed, not on the batch around it.
 
 With a threshold per row (kernels/triton_threshold: the top-k / top-p / min-p cut), tokens
@@ -35,25 +35,33 @@ def _row_stats_kernel(logits_ptr, idx_ptr, lse_ptr, token_ptr, inv_temp_ptr, see
                       BLOCK: tl.constexpr, RANDOM: tl.constexpr, THRESHOLD: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    # The chunk as [BLOCK / 4, 4]: one Philox call gives four uniforms (tl.rand4x), one for
+    # each token of a quad, where tl.rand spends a whole call (ten rounds) on each token:
+    # the race is bound by arithmetic, not by reading the logits.
+    quad = chunk * (BLOCK // 4) + tl.arange(0, BLOCK // 4)
+    lane = tl.arange(0, 4)
+    cols = quad[:, None] * 4 + lane[None, :]
     v = tl.load(logits_ptr + row * stride + cols, mask=cols < V,
                 other=float("-inf")).to(tl.float32)
-    m = tl.max(v, 0)
-    first = tl.min(tl.where(v == m, cols, V), 0)
-    s = tl.sum(tl.where(v == float("-inf"), 0.0, tl.exp(v - m)), 0)
+    m = tl.max(tl.max(v, 1), 0)
+    first = tl.min(tl.min(tl.where(v == m, cols, V), 1), 0)
+    s = tl.sum(tl.sum(tl.where(v == float("-inf"), 0.0, tl.exp(v - m)), 1), 0)
     # the race (rows at temperature 0, greedy, run it too and ignore it)
     r = m
     j = first
     if RANDOM:
-        u = tl.rand(tl.load(seed_ptr + row), cols)
+        u0, u1, u2, u3 = tl.rand4x(tl.load(seed_ptr + row), quad)
+        u = tl.where(lane[None, :] == 0, u0[:, None],
+                     tl.where(lane[None, :] == 1, u1[:, None],
+                              tl.where(lane[None, :] == 2, u2[:, None], u3[:, None])))
         z = v * tl.load(inv_temp_ptr + row)
         score = z - tl.log(-tl.log(u))
         keep = cols < V
         if THRESHOLD:
             keep = keep & (z >= tl.load(thr_ptr + row))
         score = tl.where(keep, score, float("-inf"))
-        r = tl.max(score, 0)
-        j = tl.min(tl.where(score == r, cols, V), 0)
+        r = tl.max(tl.max(score, 1), 0)
+        j = tl.min(tl.min(tl.where(score == r, cols, V), 1), 0)
     if CHUNKS == 1:
         tl.store(idx_ptr + row, first.to(tl.int64))
         tl.store(lse_ptr + row, m + tl.log(s))
@@ -98,6 +106,8 @@ def _launch(logits: torch.Tensor, inv_temp: torch.Tensor | None, seeds: torch.Te
             block: int, thresholds: torch.Tensor | None = None
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     rows, vocab = logits.shape
+    if block % 4:
+        raise ValueError(f"the chunk must hold whole quads of tokens, got {block}")
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     device = logits.device
