@@ -391,6 +391,20 @@ def time_ops(device: str, tokens: int = 8192) -> None:
         print(f"  {name:<24} {ms:8.3f} ms {nbytes / ms / 1e6:7.0f} GB/s")
 
 
+def time_sampling(device: str, rows: int = 256, vocab: int = 151936) -> None:
+    """The sampler's pass over fp32 logits: greedy stats alone, and the seeded race."""
+    from pagedllm.kernels.triton_sampling import row_argmax_logsumexp, sample_rows
+
+    print(f"\nsampling kernels ({rows} rows x {vocab} tokens, fp32 logits)")
+    logits = torch.randn(rows, vocab, device=device) * 3
+    inv_temp = torch.full((rows,), 1 / 0.8, device=device)
+    seeds = torch.arange(rows, device=device) * 7919 + 1
+    for name, fn in [("argmax + logsumexp", lambda: row_argmax_logsumexp(logits)),
+                     ("+ Gumbel race (T=0.8)", lambda: sample_rows(logits, inv_temp, seeds))]:
+        ms = bench(fn)
+        print(f"  {name:<24} {ms:8.3f} ms {logits.numel() * 4 / ms / 1e6:7.0f} GB/s")
+
+
 def tune(device: str) -> None:
     """Sweep the module's launch constants; pick the best and set them in triton_attention.py."""
     shape = Shape()
@@ -449,12 +463,14 @@ def main(argv: list[str]) -> int:
         time_decode_mix(device, num_seqs=20, num_heads=16, head_dim=head_dim, longest=600)
         time_prefill(device, scale_down=scale_down, head_dim=head_dim)
         time_ops(device, tokens=8)
+        time_sampling(device, rows=2, vocab=1000)
     elif not args.checks_only:
         time_decode(device)
         time_decode_mix(device)
         time_decode_mix(device, num_heads=16)  # Qwen3-0.6B's 16 q / 8 kv heads
         time_prefill(device)
         time_ops(device)
+        time_sampling(device)
         if args.tune:
             tune(device)
     return 1 if failed else 0
