@@ -20,8 +20,45 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from pagedllm.kernels import triton_pdl
 from pagedllm.kernels.triton_counters import counters
+
+
+@triton.jit
+def _load_weights(w_rows, ks, rn, N, k_end, EVEN: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] weight tile of columns ks."""
+    if EVEN:
+        return tl.load(w_rows + ks[None, :])
+    return tl.load(w_rows + ks[None, :], mask=(rn[:, None] < N) & (ks[None, :] < k_end), other=0)
+
+
+@triton.jit
+def _row_products(acc, w, x_ptr, rn, ks, k_end, K, EVEN: tl.constexpr, W_FP8: tl.constexpr,
+                  GATED: tl.constexpr):
+    """acc + w * x[ks] in fp32, elementwise ([BLOCK_N, BLOCK_K]): the sum along K is left
+    to the end (a reduction across threads per tile cost a third of the loop's instructions).
+    x is loaded once per weight row, in the weight tile's layout (each thread's copies come
+    from L1): the alternative, a [BLOCK_K] load broadcast, converts a layout through shared
+    memory every tile. GATED: x is the row [gate | up] of 2K and x[k] = silu(gate[k]) * up[k],
+    rounded as triton_ops' SiLU-and-mul kernel rounds."""
+    xs = ks[None, :] + 0 * rn[:, None]
+    if EVEN:
+        x = tl.load(x_ptr + xs)
+    else:
+        x = tl.load(x_ptr + xs, mask=xs < k_end, other=0.0)
+    if GATED:
+        if EVEN:
+            up = tl.load(x_ptr + K + xs).to(tl.float32)
+        else:
+            up = tl.load(x_ptr + K + xs, mask=xs < k_end, other=0.0).to(tl.float32)
+        gate = x.to(tl.float32)
+        act = (gate * tl.sigmoid(gate)).to(x_ptr.dtype.element_ty).to(tl.float32)
+        x = (act * up).to(x_ptr.dtype.element_ty)
+    if W_FP8:
+        w = w.to(tl.float8e4nv, bitcast=True)
+    return acc + w.to(tl.float32) * x.to(tl.float32)
 
 
 @triton.jit
@@ -29,7 +66,8 @@ def _skinny_kernel(out_ptr, part_ptr, count_ptr, x_ptr, w_ptr, scale_ptr, M, N, 
                    k_per_split, stride_xm, stride_om, SPLIT,
                    W_FP8: tl.constexpr, HAS_SCALE: tl.constexpr,
                    EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
+                   BLOCK_K: tl.constexpr, GATED: tl.constexpr,
+                   PDL: tl.constexpr):
     """Program (n, s): output features [n * BLOCK_N, +BLOCK_N) over the K slice
     [s * k_per_split, +k_per_split). EVEN: no bounds to check (N and the slices divide)."""
     pid_n = tl.program_id(0)
@@ -41,21 +79,23 @@ def _skinny_kernel(out_ptr, part_ptr, count_ptr, x_ptr, w_ptr, scale_ptr, M, N, 
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     if BLOCK_M == 1:
-        acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for k0 in range(k_start, k_end, BLOCK_K):
-            ks = k0 + rk
-            if EVEN:
-                x = tl.load(x_ptr + ks)
-                w = tl.load(w_rows + ks[None, :])
-            else:
-                x = tl.load(x_ptr + ks, mask=ks < k_end, other=0.0)
-                w = tl.load(w_rows + ks[None, :],
-                            mask=(rn[:, None] < N) & (ks[None, :] < k_end), other=0)
-            if W_FP8:
-                w = w.to(tl.float8e4nv, bitcast=True)
-            acc1 += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-        acc = acc1[None, :]
+        # The weights do not depend on the kernel before this one: under PDL the first
+        # tile is on its way before the wait for that kernel's x.
+        w = _load_weights(w_rows, k_start + rk, rn, N, k_end, EVEN)
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+        acc2 = _row_products(0.0, w, x_ptr, rn, k_start + rk, k_end, K, EVEN, W_FP8,
+                             GATED)
+        for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
+            w = _load_weights(w_rows, k0 + rk, rn, N, k_end, EVEN)
+            acc2 = _row_products(acc2, w, x_ptr, rn, k0 + rk, k_end, K, EVEN, W_FP8,
+                                 GATED)
+        acc = tl.sum(acc2, axis=1)[None, :]  # one reduction across threads, after the loop
     else:
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
             ks = k0 + rk
@@ -139,11 +179,18 @@ def split_k(n: int, k: int, device: torch.device, config: SkinnyConfig) -> int:
 
 
 def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
-                  split: int | None = None, config: SkinnyConfig | None = None) -> torch.Tensor:
+                  split: int | None = None, config: SkinnyConfig | None = None,
+                  gated: bool = False) -> torch.Tensor:
     """x [M, K] (M <= 16, bf16/fp16) . (weight [N, K] (* scale [N]))^T -> [M, N] in x's
-    dtype, accumulated in fp32. weight: x's dtype, or float8_e4m3fn with fp32 scales."""
+    dtype, accumulated in fp32. weight: x's dtype, or float8_e4m3fn with fp32 scales.
+    gated: x is one row [gate | up] of 2K, and the product is silu(gate) * up . W^T (an MLP's
+    down projection with its activation folded into the load of x)."""
     M, K = x.shape
     N = weight.shape[0]
+    if gated:
+        if M != 1 or K % 2:
+            raise ValueError(f"a gated skinny_matmul takes one row [gate | up], got {tuple(x.shape)}")
+        K //= 2
     if M > MAX_ROWS:
         raise ValueError(f"skinny_matmul takes at most {MAX_ROWS} rows, got {M}")
     if weight.shape[1] != K or not weight.is_contiguous():
@@ -168,6 +215,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | N
         k_per_split, x.stride(0), out.stride(0),
         split, W_FP8=w_fp8, HAS_SCALE=w_fp8, EVEN=even,
         BLOCK_M=1 if M == 1 else 16, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=3,
+        GATED=gated, num_warps=config.num_warps, num_stages=3,
+        **triton_pdl.launch_kwargs(x.device),
     )
     return out
