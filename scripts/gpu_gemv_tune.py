@@ -83,18 +83,6 @@ def main() -> int:
             weights = [weight] + [weight.clone() for _ in range(copies - 1)]
             scale = None if wtype == "bf16" else s
             for m in (int(r) for r in args.rows.split(",")):
-                if m == 1 and name == "down":  # the gated form: x is [gate | up]
-                    gu = torch.randn(1, 2 * k, device="cuda", dtype=torch.bfloat16)
-                    act = F.silu(gu[:, :k].float()).to(torch.bfloat16).float() * gu[:, k:].float()
-                    t = graph_time_us(lambda i: triton_gemv.skinny_matmul(
-                        gu, weights[i], scale, gated=True), copies)
-                    ref = act.to(torch.bfloat16).float() @ (
-                        w.float() if wtype == "bf16" else q.float() * s[:, None]).T
-                    got = triton_gemv.skinny_matmul(gu, weight, scale, gated=True).float()
-                    err = ((got - ref).abs().max() / ref.abs().max()).item()
-                    failed |= err >= 1e-2
-                    print(f"{name:8s} {wtype} gated err {err:.1e}  skinny {t:7.1f} us "
-                          f"{nbytes / t / 1e3:6.0f} GB/s", flush=True)
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 ref = x.float() @ (w.float() if wtype == "bf16" else q.float() * s[:, None]).T
                 got = triton_gemv.skinny_matmul(x, weight, scale).float()

@@ -495,28 +495,6 @@ def test_skinny_matmul_matches_fp64(m, n, k, split, weight_type):
     assert torch.equal(again, got)
 
 
-# The gated form (an MLP's down projection of one row [gate | up]) equals the SiLU-and-mul
-# kernel followed by the plain product: the same roundings of the activation.
-@pytest.mark.parametrize("n, k, split", [(40, 200, None), (130, 1212, 3), (64, 2048, 4)])
-@pytest.mark.parametrize("weight_type", ["fp16", "fp8"])
-def test_gated_skinny_matmul_matches_silu_and_mul_then_matmul(n, k, split, weight_type):
-    g = torch.Generator().manual_seed(n + k)
-    gate_up = (torch.randn(1, 2 * k, generator=g) * 3).to(torch.float16).to(DEVICE)
-    if weight_type == "fp8":
-        w, scale = _fp8_weight(n, k, g)
-        w, scale = w.to(DEVICE), scale.to(DEVICE)
-    else:
-        w, scale = torch.randn(n, k, generator=g).to(torch.float16).to(DEVICE), None
-    want = skinny_matmul(triton_silu_and_mul(gate_up), w, scale, split=split)
-    got = skinny_matmul(gate_up, w, scale, split=split, gated=True)
-    assert got.shape == (1, n)
-    # the same products in the same order: equal but for fp32 summation-order noise
-    torch.testing.assert_close(got, want, rtol=2**-10, atol=1e-3)
-    assert not counters("skinny_matmul", torch.device(DEVICE), 1).any()
-    with pytest.raises(ValueError, match="takes one row"):
-        skinny_matmul(gate_up.expand(2, -1), w, scale, gated=True)
-
-
 def test_skinny_matmul_rejects_what_it_cannot_take():
     x = torch.zeros(17, 64, dtype=torch.float16, device=DEVICE)
     w = torch.zeros(8, 64, dtype=torch.float16, device=DEVICE)
@@ -731,3 +709,10 @@ def test_token_bitmask_kernel_rejects_what_it_cannot_take():
     with pytest.raises(ValueError, match="logits must be \\[rows, vocab\\] with contiguous rows"):
         apply_token_bitmask_(logits.t(), torch.zeros(1, 2, dtype=torch.int32, device=DEVICE),
                              rows)
+
+
+def test_pdl_is_off_off_cuda():
+    """Programmatic dependent launch only on CUDA (the interpreter has no gdc ops)."""
+    from pagedllm.kernels import triton_pdl
+
+    assert triton_pdl.launch_kwargs(torch.device("cpu")) == {"PDL": False}

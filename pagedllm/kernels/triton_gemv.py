@@ -9,7 +9,8 @@ program resets), so one call is one kernel: a separate reduction and cast after 
 cost ~4 us each, ~0.5 ms of a Llama-3-8B decode step's 4 ms.
 
 One row takes the CUDA cores (products summed along K, no padding to a tensor-core tile);
-2-16 rows take tl.dot. The kernel runs under TRITON_INTERPRET=1 on the CPU for the tests
+2-16 rows take tl.dot. Under programmatic dependent launch (kernels/triton_pdl.py) a one-row
+program loads its first weight tile before it waits for the kernel that wrote x. The kernel runs under TRITON_INTERPRET=1 on the CPU for the tests
 (its tl.dot takes fp16, not bf16).
 """
 from __future__ import annotations
@@ -35,27 +36,17 @@ def _load_weights(w_rows, ks, rn, N, k_end, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _row_products(acc, w, x_ptr, rn, ks, k_end, K, EVEN: tl.constexpr, W_FP8: tl.constexpr,
-                  GATED: tl.constexpr):
+def _row_products(acc, w, x_ptr, rn, ks, k_end, EVEN: tl.constexpr, W_FP8: tl.constexpr):
     """acc + w * x[ks] in fp32, elementwise ([BLOCK_N, BLOCK_K]): the sum along K is left
     to the end (a reduction across threads per tile cost a third of the loop's instructions).
     x is loaded once per weight row, in the weight tile's layout (each thread's copies come
     from L1): the alternative, a [BLOCK_K] load broadcast, converts a layout through shared
-    memory every tile. GATED: x is the row [gate | up] of 2K and x[k] = silu(gate[k]) * up[k],
-    rounded as triton_ops' SiLU-and-mul kernel rounds."""
+    memory every tile."""
     xs = ks[None, :] + 0 * rn[:, None]
     if EVEN:
         x = tl.load(x_ptr + xs)
     else:
         x = tl.load(x_ptr + xs, mask=xs < k_end, other=0.0)
-    if GATED:
-        if EVEN:
-            up = tl.load(x_ptr + K + xs).to(tl.float32)
-        else:
-            up = tl.load(x_ptr + K + xs, mask=xs < k_end, other=0.0).to(tl.float32)
-        gate = x.to(tl.float32)
-        act = (gate * tl.sigmoid(gate)).to(x_ptr.dtype.element_ty).to(tl.float32)
-        x = (act * up).to(x_ptr.dtype.element_ty)
     if W_FP8:
         w = w.to(tl.float8e4nv, bitcast=True)
     return acc + w.to(tl.float32) * x.to(tl.float32)
@@ -66,8 +57,7 @@ def _skinny_kernel(out_ptr, part_ptr, count_ptr, x_ptr, w_ptr, scale_ptr, M, N, 
                    k_per_split, stride_xm, stride_om, SPLIT,
                    W_FP8: tl.constexpr, HAS_SCALE: tl.constexpr,
                    EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, GATED: tl.constexpr,
-                   PDL: tl.constexpr):
+                   BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """Program (n, s): output features [n * BLOCK_N, +BLOCK_N) over the K slice
     [s * k_per_split, +k_per_split). EVEN: no bounds to check (N and the slices divide)."""
     pid_n = tl.program_id(0)
@@ -85,12 +75,10 @@ def _skinny_kernel(out_ptr, part_ptr, count_ptr, x_ptr, w_ptr, scale_ptr, M, N, 
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
-        acc2 = _row_products(0.0, w, x_ptr, rn, k_start + rk, k_end, K, EVEN, W_FP8,
-                             GATED)
+        acc2 = _row_products(0.0, w, x_ptr, rn, k_start + rk, k_end, EVEN, W_FP8)
         for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
             w = _load_weights(w_rows, k0 + rk, rn, N, k_end, EVEN)
-            acc2 = _row_products(acc2, w, x_ptr, rn, k0 + rk, k_end, K, EVEN, W_FP8,
-                                 GATED)
+            acc2 = _row_products(acc2, w, x_ptr, rn, k0 + rk, k_end, EVEN, W_FP8)
         acc = tl.sum(acc2, axis=1)[None, :]  # one reduction across threads, after the loop
     else:
         if PDL:
@@ -143,14 +131,15 @@ class SkinnyConfig:
     programs_per_sm: int  # split K until the grid has about this many programs per SM
 
 
-# Measured on an H200 with scripts/gpu_gemv_tune.py --sweep at Llama-3-8B's shapes. One row
+# Measured on an H200 with scripts/gpu_gemv_tune.py --sweep at Llama-3-8B's shapes (FP8 again
+# after the one-row loop lost its per-tile reduction: fewer, longer K slices won). One row
 # (CUDA cores), keyed by the weight's element size and whether it has many output features
 # (a gate_up projection or an LM head: enough column blocks that K is hardly split):
 ROW_CONFIGS = {
     (2, False): SkinnyConfig(block_n=16, block_k=256, num_warps=4, programs_per_sm=8),
     (2, True): SkinnyConfig(block_n=16, block_k=512, num_warps=4, programs_per_sm=8),
-    (1, False): SkinnyConfig(block_n=16, block_k=512, num_warps=4, programs_per_sm=8),
-    (1, True): SkinnyConfig(block_n=32, block_k=256, num_warps=4, programs_per_sm=4),
+    (1, False): SkinnyConfig(block_n=16, block_k=512, num_warps=4, programs_per_sm=2),
+    (1, True): SkinnyConfig(block_n=16, block_k=256, num_warps=4, programs_per_sm=2),
 }
 WIDE_N = 16384
 # 2-16 rows (tensor cores)
@@ -179,18 +168,11 @@ def split_k(n: int, k: int, device: torch.device, config: SkinnyConfig) -> int:
 
 
 def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
-                  split: int | None = None, config: SkinnyConfig | None = None,
-                  gated: bool = False) -> torch.Tensor:
+                  split: int | None = None, config: SkinnyConfig | None = None) -> torch.Tensor:
     """x [M, K] (M <= 16, bf16/fp16) . (weight [N, K] (* scale [N]))^T -> [M, N] in x's
-    dtype, accumulated in fp32. weight: x's dtype, or float8_e4m3fn with fp32 scales.
-    gated: x is one row [gate | up] of 2K, and the product is silu(gate) * up . W^T (an MLP's
-    down projection with its activation folded into the load of x)."""
+    dtype, accumulated in fp32. weight: x's dtype, or float8_e4m3fn with fp32 scales."""
     M, K = x.shape
     N = weight.shape[0]
-    if gated:
-        if M != 1 or K % 2:
-            raise ValueError(f"a gated skinny_matmul takes one row [gate | up], got {tuple(x.shape)}")
-        K //= 2
     if M > MAX_ROWS:
         raise ValueError(f"skinny_matmul takes at most {MAX_ROWS} rows, got {M}")
     if weight.shape[1] != K or not weight.is_contiguous():
@@ -215,7 +197,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | N
         k_per_split, x.stride(0), out.stride(0),
         split, W_FP8=w_fp8, HAS_SCALE=w_fp8, EVEN=even,
         BLOCK_M=1 if M == 1 else 16, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        GATED=gated, num_warps=config.num_warps, num_stages=3,
+        num_warps=config.num_warps, num_stages=3,
         **triton_pdl.launch_kwargs(x.device),
     )
     return out

@@ -80,15 +80,6 @@ class FP8Linear(nn.Module):
         out = out.reshape(*x.shape[:-1], self.out_features)
         return out if self.lora is None else self.lora(x, out)
 
-    def gated_forward(self, gate_up: torch.Tensor) -> torch.Tensor | None:
-        """self(silu(gate) * up) in one kernel for one CUDA row (layers/linear.gated_linear),
-        else None."""
-        if self.lora is not None or SMALL_BATCH_ROWS < 1:
-            return None
-        from pagedllm.layers.linear import gated_linear
-
-        return gated_linear(gate_up, self.qweight, self.bias, self.weight_scale.view(-1))
-
     def _scaled_mm(self, xq: torch.Tensor, xs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return torch._scaled_mm(xq, self.qweight.t(), scale_a=xs, scale_b=self.weight_scale,
                                 out_dtype=dtype)

@@ -14,9 +14,7 @@ On CUDA, a batch of one row (batch-1 decode) in bf16/fp16 goes through
 kernels/triton_gemv.skinny_matmul: one kernel streaming the weight, where cuBLAS adds a
 split-K reduction kernel to its small GEMVs (measured at Llama-3-8B's shapes on an H200:
 119 vs 123 us per layer and LM head share; cuBLAS is ahead from 4 rows on).
-PAGEDLLM_SKINNY_ROWS=0 keeps cuBLAS for every batch. An MLP's down projection of one such
-row also takes the SiLU-and-mul before it into the kernel (`gated_linear`: the kernel reads
-[gate | up]), one launch fewer per layer; PAGEDLLM_GATED_GEMV=0 keeps the two kernels.
+PAGEDLLM_SKINNY_ROWS=0 keeps cuBLAS for every batch.
 """
 from __future__ import annotations
 
@@ -62,7 +60,6 @@ def pack_for_mkl(weight: torch.Tensor) -> torch.Tensor | None:
 # Above this many rows (prompt batches) the packed GEMM measured slower than F.linear here.
 MAX_PACKED_ROWS = 128
 SKINNY_MAX_ROWS = min(int(os.environ.get("PAGEDLLM_SKINNY_ROWS", "1")), 16)
-GATED_GEMV = os.environ.get("PAGEDLLM_GATED_GEMV", "1") != "0"
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -93,27 +90,6 @@ def _skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def gated_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 scale: torch.Tensor | None = None) -> torch.Tensor | None:
-    """silu(gate) * up . W^T (+ bias) for gate_up [..., 2K] holding one CUDA row, in one
-    skinny kernel (weight in gate_up's dtype, or FP8 with its scales); None where that
-    kernel does not apply (the caller runs the activation and the linear apart)."""
-    if not (GATED_GEMV and SKINNY_MAX_ROWS >= 1 and gate_up.is_cuda and weight.is_cuda
-            and gate_up.dtype in (torch.bfloat16, torch.float16) and weight.is_contiguous()):
-        return None
-    rows = gate_up.reshape(-1, gate_up.shape[-1])
-    if rows.shape[0] != 1 or rows.shape[1] != 2 * weight.shape[1]:
-        return None
-    if scale is None and weight.dtype != gate_up.dtype:
-        return None
-    from pagedllm.kernels.triton_gemv import skinny_matmul  # Triton only where it runs
-
-    out = skinny_matmul(rows, weight, scale, gated=True)
-    if bias is not None:
-        out = out + bias
-    return out.reshape(*gate_up.shape[:-1], weight.shape[0])
-
-
 class Linear(nn.Linear):
     """nn.Linear that uses a packed copy of its weight once `prepack()` made one."""
 
@@ -129,10 +105,6 @@ class Linear(nn.Linear):
             return self.lora.joint_forward(x, linear)  # one row: the shrink in the GEMV
         out = linear(x, self.weight, self.bias, self.packed)
         return out if self.lora is None else self.lora(x, out)
-
-    def gated_forward(self, gate_up: torch.Tensor) -> torch.Tensor | None:
-        """self(silu(gate) * up) in one kernel where gated_linear applies, else None."""
-        return None if self.lora is not None else gated_linear(gate_up, self.weight, self.bias)
 
 
 def prepack_model(model: nn.Module) -> int:

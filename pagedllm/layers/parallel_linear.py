@@ -88,9 +88,6 @@ class RowParallelLinear(Linear):
         out = all_reduce(linear(x, self.weight, None, self.packed))
         return out if self.bias is None else out + self.bias
 
-    def gated_forward(self, gate_up: torch.Tensor) -> torch.Tensor | None:
-        return None if ps.is_initialized() else super().gated_forward(gate_up)
-
 
 def _shard_vocab(tensor: torch.Tensor, vocab_size: int, rank: int, tp: int) -> torch.Tensor:
     """This rank's rows of a [vocab, hidden] tensor, zero rows past the vocabulary."""

@@ -82,13 +82,7 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.act.backend.name == "triton":  # one CUDA row: the activation in the GEMV
-            gated = getattr(self.down_proj, "gated_forward", None)
-            out = gated(gate_up) if gated is not None else None
-            if out is not None:
-                return out
-        return self.down_proj(self.act(gate_up))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -26,25 +26,3 @@ def test_kernels_match_the_reference_on_cuda(name):
     CHECKS[name]()
     failed = [check for check, ok in kernel_bench.RESULTS if not ok]
     assert kernel_bench.RESULTS and not failed, f"failed: {failed}"
-
-
-@pytest.mark.parametrize("fp8", [False, True])
-def test_gated_down_projection_matches_silu_and_mul_then_linear(fp8):
-    """Llama-3-8B's down projection of one row with the SiLU-and-mul folded into its GEMV
-    (layers/linear.gated_linear) against the two kernels; more rows are not folded."""
-    import torch
-
-    from pagedllm.kernels.triton_ops import triton_silu_and_mul
-    from pagedllm.layers.fp8_linear import FP8Linear
-    from pagedllm.layers.linear import Linear
-
-    torch.manual_seed(0)
-    down = Linear(14336, 4096, bias=False).to("cuda", torch.bfloat16)
-    if fp8:
-        down = FP8Linear.from_linear(down)
-    gate_up = torch.randn(1, 2 * 14336, device="cuda", dtype=torch.bfloat16) * 2
-    got = down.gated_forward(gate_up)
-    want = down(triton_silu_and_mul(gate_up))
-    assert got is not None and got.shape == want.shape == (1, 4096)
-    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
-    assert down.gated_forward(gate_up.expand(2, -1)) is None
