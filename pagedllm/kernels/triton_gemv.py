@@ -37,8 +37,9 @@ def _load_weights(w_rows, ks, rn, N, k_end, EVEN: tl.constexpr):
 
 @triton.jit
 def _row_products(acc, w, x_ptr, rn, ks, k_end, EVEN: tl.constexpr, W_FP8: tl.constexpr):
-    """acc + w * x[ks] in fp32, elementwise ([BLOCK_N, BLOCK_K]): the sum along K is left
-    to the end (a reduction across threads per tile cost a third of the loop's instructions).
+    """acc + w * x[ks] in fp32, elementwise ([BLOCK_N, BLOCK_K]), for FP8 weights: the sum
+    along K is left to the end (a reduction across threads per tile cost a third of the
+    loop's instructions).
     x is loaded once per weight row, in the weight tile's layout (each thread's copies come
     from L1): the alternative, a [BLOCK_K] load broadcast, converts a layout through shared
     memory every tile."""
@@ -50,6 +51,16 @@ def _row_products(acc, w, x_ptr, rn, ks, k_end, EVEN: tl.constexpr, W_FP8: tl.co
     if W_FP8:
         w = w.to(tl.float8e4nv, bitcast=True)
     return acc + w.to(tl.float32) * x.to(tl.float32)
+
+
+@triton.jit
+def _row_dot(w, x_ptr, ks, k_end, EVEN: tl.constexpr):
+    """sum_k w[:, k] * x[ks] in fp32 ([BLOCK_N]): x loaded as a [BLOCK_K] vector."""
+    if EVEN:
+        x = tl.load(x_ptr + ks)
+    else:
+        x = tl.load(x_ptr + ks, mask=ks < k_end, other=0.0)
+    return tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
 
 
 @triton.jit
@@ -75,11 +86,18 @@ def _skinny_kernel(out_ptr, part_ptr, count_ptr, x_ptr, w_ptr, scale_ptr, M, N, 
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
-        acc2 = _row_products(0.0, w, x_ptr, rn, k_start + rk, k_end, EVEN, W_FP8)
-        for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
-            w = _load_weights(w_rows, k0 + rk, rn, N, k_end, EVEN)
-            acc2 = _row_products(acc2, w, x_ptr, rn, k0 + rk, k_end, EVEN, W_FP8)
-        acc = tl.sum(acc2, axis=1)[None, :]  # one reduction across threads, after the loop
+        if W_FP8:
+            acc2 = _row_products(0.0, w, x_ptr, rn, k_start + rk, k_end, EVEN, W_FP8)
+            for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
+                w = _load_weights(w_rows, k0 + rk, rn, N, k_end, EVEN)
+                acc2 = _row_products(acc2, w, x_ptr, rn, k0 + rk, k_end, EVEN, W_FP8)
+            acc1 = tl.sum(acc2, axis=1)  # one reduction across threads, after the loop
+        else:  # bf16/fp16: a reduction per tile measured faster here (docs/benchmarks.md)
+            acc1 = _row_dot(w, x_ptr, k_start + rk, k_end, EVEN)
+            for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
+                w = _load_weights(w_rows, k0 + rk, rn, N, k_end, EVEN)
+                acc1 += _row_dot(w, x_ptr, k0 + rk, k_end, EVEN)
+        acc = acc1[None, :]
     else:
         if PDL:
             gdc_wait()
