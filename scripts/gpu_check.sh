@@ -23,6 +23,10 @@
 #   nano-sync decode-8b-sync throughput-8b-sync
 #                  the same with --no-async-scheduling (not in the default list: name them
 #                  in GPU_CHECK_STEPS for an on/off comparison in one run)
+#   decode-8b-nopdl decode-8b-fp8-nopdl
+#                  decode-8b (bf16, then --quantization fp8) with PAGEDLLM_PDL=0: the
+#                  decode kernels without programmatic dependent launch (kernels/triton_pdl.py;
+#                  not in the default list: compare with decode-8b / decode-8b-fp8)
 #   tp-parity tp-decode-8b tp-throughput-8b tp-allreduce
 #                  tensor parallelism (not in the default list): greedy fp32 TP=2 == TP=1 on
 #                  a random 30-layer Llama (tests/gpu/test_tp.py); decode-8b / throughput-8b at
@@ -169,6 +173,14 @@ for w in decode-8b throughput-8b; do
         --out "$WORK/$w-fp8.json" --no-peer
     [ -f "$WORK/$w-fp8.json" ] && { echo "-- $w-fp8.json"; cat "$WORK/$w-fp8.json"; } >>"$LOGS/bench.log"
 done
+# Programmatic dependent launch off (not in the default steps): the A/B against the above.
+for w in decode-8b decode-8b-fp8; do
+    extra=()
+    [ "$w" = decode-8b-fp8 ] && extra=(--quantization fp8)
+    run_step "$w-nopdl" 480 "$LOGS/bench.log" env PAGEDLLM_PDL=0 $PY "$WORK/bench.py" decode-8b \
+        --out "$WORK/$w-nopdl.json" --no-peer ${extra[@]+"${extra[@]}"}
+    [ -f "$WORK/$w-nopdl.json" ] && { echo "-- $w-nopdl.json"; cat "$WORK/$w-nopdl.json"; } >>"$LOGS/bench.log"
+done
 
 # The ShareGPT-like mix (not in the default steps): the sampler A/B and the FP8 KV cache.
 for w in sharegpt sharegpt-sortfree sharegpt-fp8 sharegpt-profile; do
@@ -232,7 +244,7 @@ run_step tp-allreduce 600 "$LOGS/tp.log" $TPRUN "$WORK/bench.py" tp-allreduce --
     if [ -f "$LOGS/bench.log" ]; then
         echo
         grep -E "^== |KV budget|KV cache:|CUDA graph|Traceback|Error" "$LOGS/bench.log" | cut -c1-160
-        for w in $BENCHES decode-8b-fp8 throughput-8b-fp8 sharegpt sharegpt-sortfree \
+        for w in $BENCHES decode-8b-fp8 throughput-8b-fp8 decode-8b-nopdl decode-8b-fp8-nopdl sharegpt sharegpt-sortfree \
                 sharegpt-fp8 sharegpt-profile tp-decode-8b tp-throughput-8b $SPEC_STEPS; do  # each table follows "results:"
             sed -n "/^results: .*\/$w.json/,/^== $w:/p" "$LOGS/bench.log" | sed '1s/^/\n/'
         done

@@ -1,6 +1,6 @@
 """Skinny matmuls (kernels/triton_gemv.py) against cuBLAS at Llama-3-8B's decode shapes.
 
-    python3 scripts/gpu_gemv_tune.py [--rows 1,4,16] [--sweep]
+    python3 scripts/gpu_gemv_tune.py [--rows 1,4,16] [--sweep] [--wtypes fp8] [--shapes o,down]
 
 For each linear (qkv, o, gate_up, down, lm_head), rows M and weight type (bf16, fp8): the
 result against an fp32 reference, then the time per call inside a CUDA graph of back-to-back
@@ -57,7 +57,7 @@ def graph_time_us(fn, copies: int) -> float:
 
 
 def sweep_configs() -> list[SkinnyConfig]:
-    grid = itertools.product((16, 32, 64), (256, 512, 1024), (4, 8), (4, 8))
+    grid = itertools.product((16, 32), (256, 512, 1024), (4, 8), (2, 4, 8))
     return [SkinnyConfig(n, k, w, p) for n, k, w, p in grid]
 
 
@@ -67,6 +67,7 @@ def main() -> int:
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--sweep-out", help="append every swept config's time to this file")
+    p.add_argument("--wtypes", default="bf16,fp8")
     args = p.parse_args()
     failed = False
     for name in args.shapes.split(","):
@@ -75,7 +76,7 @@ def main() -> int:
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         q, s = quantize_rows(w)
         s = s.view(-1).contiguous()
-        for wtype in ("bf16", "fp8"):
+        for wtype in args.wtypes.split(","):
             weight = w if wtype == "bf16" else q
             nbytes = weight.numel() * weight.element_size()
             copies = max(1, -(-L2_FLUSH_BYTES // nbytes))

@@ -709,3 +709,10 @@ def test_token_bitmask_kernel_rejects_what_it_cannot_take():
     with pytest.raises(ValueError, match="logits must be \\[rows, vocab\\] with contiguous rows"):
         apply_token_bitmask_(logits.t(), torch.zeros(1, 2, dtype=torch.int32, device=DEVICE),
                              rows)
+
+
+def test_pdl_is_off_off_cuda():
+    """Programmatic dependent launch only on CUDA (the interpreter has no gdc ops)."""
+    from pagedllm.kernels import triton_pdl
+
+    assert triton_pdl.launch_kwargs(torch.device("cpu")) == {"PDL": False}

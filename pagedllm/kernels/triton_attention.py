@@ -29,7 +29,9 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from pagedllm.kernels import triton_pdl
 from pagedllm.kernels.metadata import PagedAttentionInputMetadata
 
 LOG2E = 1.4426950408889634
@@ -133,7 +135,11 @@ def _paged_decode_kernel(
     USE_WINDOW: tl.constexpr,
     USE_ALIBI: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # before any read of an earlier kernel's output, any write (kernels/triton_pdl.py)
+        gdc_wait()
+        gdc_launch_dependents()
     seq = tl.program_id(0)  # decode: token index == sequence index
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -197,8 +203,11 @@ def _merge_splits_kernel(
     out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     seq_lens_ptr, sliding_window, min_tiles, num_heads, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr, USE_WINDOW: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, USE_WINDOW: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # before any read of an earlier kernel's output, any write (kernels/triton_pdl.py)
+        gdc_wait()
+        gdc_launch_dependents()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -480,6 +489,7 @@ def _decode(out, query, kv_cache, meta, alibi_arg, num_splits, common) -> None:
         query, kv_cache, meta.block_tables, meta.seq_lens, alibi_arg,
         num_heads=num_heads, min_tiles=min_tiles, GROUP_PAD=group_pad, BLOCK_N=DECODE_BLOCK_N,
         NUM_SPLITS=num_splits, num_warps=DECODE_NUM_WARPS, num_stages=2, **common,
+        **triton_pdl.launch_kwargs(query.device),
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
@@ -487,5 +497,5 @@ def _decode(out, query, kv_cache, meta, alibi_arg, num_splits, common) -> None:
             num_heads, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_N=DECODE_BLOCK_N, NUM_SPLITS=num_splits,
             SPLITS_PAD=triton.next_power_of_2(num_splits), USE_WINDOW=common["USE_WINDOW"],
-            num_warps=4,
+            num_warps=4, **triton_pdl.launch_kwargs(query.device),
         )

@@ -14,7 +14,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from pagedllm.kernels import triton_pdl
 from pagedllm.kernels.triton_ops import check_rotary_inputs, rotate_token
 
 
@@ -64,9 +66,13 @@ def _rotary_and_cache_kernel(
     stride_c_kv, stride_c_block, stride_c_offset, stride_c_head, block_size, num_heads, half,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr,
     Q_HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr, FP8_MAX: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """The rotary embedding of one token's query and key (in place), then its K and V into
     the cache: triton_ops' rotary kernel and the one above in one launch."""
+    if PDL:  # before any read of an earlier kernel's output, any write (kernels/triton_pdl.py)
+        gdc_wait()
+        gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     rotate_token(q_ptr, key_ptr, token, positions_ptr, cos_sin_ptr, stride_qt, stride_qh,
                  stride_kt, stride_kh, stride_cs, num_heads, NUM_KV_HEADS, half, Q_HEADS_PAD,
@@ -160,5 +166,5 @@ def triton_rotary_write_kv_cache(
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         Q_HEADS_PAD=triton.next_power_of_2(num_heads), HALF_PAD=triton.next_power_of_2(half),
-        FP8_MAX=fp8_max(kv_cache), num_warps=4,
+        FP8_MAX=fp8_max(kv_cache), num_warps=4, **triton_pdl.launch_kwargs(query.device),
     )

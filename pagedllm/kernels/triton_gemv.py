@@ -9,7 +9,8 @@ program resets), so one call is one kernel: a separate reduction and cast after 
 cost ~4 us each, ~0.5 ms of a Llama-3-8B decode step's 4 ms.
 
 One row takes the CUDA cores (products summed along K, no padding to a tensor-core tile);
-2-16 rows take tl.dot. The kernel runs under TRITON_INTERPRET=1 on the CPU for the tests
+2-16 rows take tl.dot. Under programmatic dependent launch (kernels/triton_pdl.py) a one-row
+program loads its first weight tile before it waits for the kernel that wrote x. The kernel runs under TRITON_INTERPRET=1 on the CPU for the tests
 (its tl.dot takes fp16, not bf16).
 """
 from __future__ import annotations
@@ -20,8 +21,46 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from pagedllm.kernels import triton_pdl
 from pagedllm.kernels.triton_counters import counters
+
+
+@triton.jit
+def _load_weights(w_rows, ks, rn, N, k_end, EVEN: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] weight tile of columns ks."""
+    if EVEN:
+        return tl.load(w_rows + ks[None, :])
+    return tl.load(w_rows + ks[None, :], mask=(rn[:, None] < N) & (ks[None, :] < k_end), other=0)
+
+
+@triton.jit
+def _row_products(acc, w, x_ptr, rn, ks, k_end, EVEN: tl.constexpr, W_FP8: tl.constexpr):
+    """acc + w * x[ks] in fp32, elementwise ([BLOCK_N, BLOCK_K]), for FP8 weights: the sum
+    along K is left to the end (a reduction across threads per tile cost a third of the
+    loop's instructions).
+    x is loaded once per weight row, in the weight tile's layout (each thread's copies come
+    from L1): the alternative, a [BLOCK_K] load broadcast, converts a layout through shared
+    memory every tile."""
+    xs = ks[None, :] + 0 * rn[:, None]
+    if EVEN:
+        x = tl.load(x_ptr + xs)
+    else:
+        x = tl.load(x_ptr + xs, mask=xs < k_end, other=0.0)
+    if W_FP8:
+        w = w.to(tl.float8e4nv, bitcast=True)
+    return acc + w.to(tl.float32) * x.to(tl.float32)
+
+
+@triton.jit
+def _row_dot(w, x_ptr, ks, k_end, EVEN: tl.constexpr):
+    """sum_k w[:, k] * x[ks] in fp32 ([BLOCK_N]): x loaded as a [BLOCK_K] vector."""
+    if EVEN:
+        x = tl.load(x_ptr + ks)
+    else:
+        x = tl.load(x_ptr + ks, mask=ks < k_end, other=0.0)
+    return tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
 
 
 @triton.jit
@@ -29,7 +68,7 @@ def _skinny_kernel(out_ptr, part_ptr, count_ptr, x_ptr, w_ptr, scale_ptr, M, N, 
                    k_per_split, stride_xm, stride_om, SPLIT,
                    W_FP8: tl.constexpr, HAS_SCALE: tl.constexpr,
                    EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
+                   BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """Program (n, s): output features [n * BLOCK_N, +BLOCK_N) over the K slice
     [s * k_per_split, +k_per_split). EVEN: no bounds to check (N and the slices divide)."""
     pid_n = tl.program_id(0)
@@ -41,21 +80,28 @@ def _skinny_kernel(out_ptr, part_ptr, count_ptr, x_ptr, w_ptr, scale_ptr, M, N, 
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     if BLOCK_M == 1:
-        acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for k0 in range(k_start, k_end, BLOCK_K):
-            ks = k0 + rk
-            if EVEN:
-                x = tl.load(x_ptr + ks)
-                w = tl.load(w_rows + ks[None, :])
-            else:
-                x = tl.load(x_ptr + ks, mask=ks < k_end, other=0.0)
-                w = tl.load(w_rows + ks[None, :],
-                            mask=(rn[:, None] < N) & (ks[None, :] < k_end), other=0)
-            if W_FP8:
-                w = w.to(tl.float8e4nv, bitcast=True)
-            acc1 += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+        # The weights do not depend on the kernel before this one: under PDL the first
+        # tile is on its way before the wait for that kernel's x.
+        w = _load_weights(w_rows, k_start + rk, rn, N, k_end, EVEN)
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+        if W_FP8:
+            acc2 = _row_products(0.0, w, x_ptr, rn, k_start + rk, k_end, EVEN, W_FP8)
+            for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
+                w = _load_weights(w_rows, k0 + rk, rn, N, k_end, EVEN)
+                acc2 = _row_products(acc2, w, x_ptr, rn, k0 + rk, k_end, EVEN, W_FP8)
+            acc1 = tl.sum(acc2, axis=1)  # one reduction across threads, after the loop
+        else:  # bf16/fp16: a reduction per tile measured faster here (docs/benchmarks.md)
+            acc1 = _row_dot(w, x_ptr, k_start + rk, k_end, EVEN)
+            for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
+                w = _load_weights(w_rows, k0 + rk, rn, N, k_end, EVEN)
+                acc1 += _row_dot(w, x_ptr, k0 + rk, k_end, EVEN)
         acc = acc1[None, :]
     else:
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
             ks = k0 + rk
@@ -103,14 +149,15 @@ class SkinnyConfig:
     programs_per_sm: int  # split K until the grid has about this many programs per SM
 
 
-# Measured on an H200 with scripts/gpu_gemv_tune.py --sweep at Llama-3-8B's shapes. One row
+# Measured on an H200 with scripts/gpu_gemv_tune.py --sweep at Llama-3-8B's shapes (FP8 again
+# after the one-row loop lost its per-tile reduction: fewer, longer K slices won). One row
 # (CUDA cores), keyed by the weight's element size and whether it has many output features
 # (a gate_up projection or an LM head: enough column blocks that K is hardly split):
 ROW_CONFIGS = {
     (2, False): SkinnyConfig(block_n=16, block_k=256, num_warps=4, programs_per_sm=8),
     (2, True): SkinnyConfig(block_n=16, block_k=512, num_warps=4, programs_per_sm=8),
-    (1, False): SkinnyConfig(block_n=16, block_k=512, num_warps=4, programs_per_sm=8),
-    (1, True): SkinnyConfig(block_n=32, block_k=256, num_warps=4, programs_per_sm=4),
+    (1, False): SkinnyConfig(block_n=16, block_k=512, num_warps=4, programs_per_sm=2),
+    (1, True): SkinnyConfig(block_n=16, block_k=256, num_warps=4, programs_per_sm=2),
 }
 WIDE_N = 16384
 # 2-16 rows (tensor cores)
@@ -169,5 +216,6 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | N
         split, W_FP8=w_fp8, HAS_SCALE=w_fp8, EVEN=even,
         BLOCK_M=1 if M == 1 else 16, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=3,
+        **triton_pdl.launch_kwargs(x.device),
     )
     return out

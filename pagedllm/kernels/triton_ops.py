@@ -9,6 +9,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from pagedllm.kernels import triton_pdl
 
 
 # --------------------------------------------------------------------------------------
@@ -20,10 +23,13 @@ import triton.language as tl
 def _rms_norm_kernel(
     out_ptr, residual_out_ptr, x_ptr, residual_ptr, weight_ptr,
     stride_x, stride_xh, heads, stride_r, stride_o, stride_ro, n_cols, eps,
-    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
 ):
     """Row `row` of x is (row // heads, row % heads) of a [tokens, heads, n_cols] view
     (heads = 1: plain rows): per-head norms read q and k in place inside the fused qkv."""
+    if PDL:  # before any read of an earlier kernel's output, any write (kernels/triton_pdl.py)
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -79,7 +85,7 @@ def triton_rms_norm(
             out2, ro2, x2, r2, weight,
             *strides, r2.stride(0), out2.stride(0), ro2.stride(0), hidden, eps,
             BLOCK=block, HAS_RESIDUAL=residual is not None,
-            num_warps=min(16, max(1, block // 256)),
+            num_warps=min(16, max(1, block // 256)), **triton_pdl.launch_kwargs(x.device),
         )
     return out if residual is None else (out, residual_out)
 
@@ -90,7 +96,11 @@ def triton_rms_norm(
 
 
 @triton.jit
-def _silu_and_mul_kernel(out_ptr, x_ptr, stride_x, stride_o, d, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(out_ptr, x_ptr, stride_x, stride_o, d, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+    if PDL:  # before any read of an earlier kernel's output, any write (kernels/triton_pdl.py)
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -112,6 +122,7 @@ def triton_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         block = min(1024, triton.next_power_of_2(d))
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
             out2, x2, x2.stride(0), out2.stride(0), d, BLOCK=block, num_warps=4,
+            **triton_pdl.launch_kwargs(x.device),
         )
     return out
 
