@@ -10,8 +10,8 @@ cost ~4 us each, ~0.5 ms of a Llama-3-8B decode step's 4 ms.
 
 One row takes the CUDA cores (products summed along K, no padding to a tensor-core tile);
 2-16 rows take tl.dot. Under programmatic dependent launch (kernels/triton_pdl.py) a one-row
-program loads its first weight tile before it waits for the kernel that wrote x. The kernel runs under TRITON_INTERPRET=1 on the CPU for the tests
-(its tl.dot takes fp16, not bf16).
+program loads its first weight tile before it waits for the kernel that wrote x. The kernel
+runs under TRITON_INTERPRET=1 on the CPU for the tests (its tl.dot takes fp16, not bf16).
 """
 from __future__ import annotations
 
