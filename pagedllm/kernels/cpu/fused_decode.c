@@ -28,10 +28,12 @@
 
 #define MAX_SEGMENTS 4
 
-/* Rows [start, start + rows) of a projection's output, packed in one block type. */
+/* Rows [start, start + rows) of a projection's output, packed in one block type; x8: the
+ * same rows in quant_x8.c's 8-row layout, or NULL (the one-row int8 step reads it). */
 typedef struct {
     const uint8_t *weight;
     int64_t qtype, start, rows;
+    const uint8_t *x8;
 } Segment;
 
 typedef struct {
@@ -78,7 +80,7 @@ static void project(const Projection *p, float *out, const float *x, int64_t row
  * published as a phase of CHUNK_ROWS-row chunks that every thread claims from one atomic
  * ticket. Thread 0 then waits only for the chunks that were claimed, never for a thread
  * that is not running. */
-#define CHUNK_ROWS 32
+#define CHUNK_ROWS 32 /* a multiple of 8: quant_x8.c's groups */
 /* the ticket: phase << 40 | chunks << 20 | next chunk */
 #define PHASE_END (((int64_t)1 << 23) - 1)
 #define TICKET(phase, chunks) ((int64_t)(phase) << 40 | (int64_t)(chunks) << 20)
@@ -113,9 +115,13 @@ static void run_chunk(const WorkQueue *wq, int64_t c) {
     const Segment *s = &p->segments[i];
     const int64_t j0 = (c - wq->first_chunk[i]) * CHUNK_ROWS;
     const int64_t j1 = j0 + CHUNK_ROWS < s->rows ? j0 + CHUNK_ROWS : s->rows;
-    const int64_t k = p->in_features;
-    gguf_q8_row_matmul(wq->out + s->start, wq->q + i * k, wq->dx + i * (k / 16), s->weight,
-                       s->qtype & ~(int64_t)GGUF_INT8_ACTIVATIONS, j0, j1, k);
+    const int64_t k = p->in_features, qtype = s->qtype & ~(int64_t)GGUF_INT8_ACTIVATIONS;
+    if (s->x8 != NULL) /* rows a multiple of 8, chunks of CHUNK_ROWS (one too) */
+        gguf_x8_row_matmul(wq->out + s->start, wq->q + i * k, wq->dx + i * (k / 16), s->x8,
+                           qtype, j0 / 8, j1 / 8, k);
+    else
+        gguf_q8_row_matmul(wq->out + s->start, wq->q + i * k, wq->dx + i * (k / 16),
+                           s->weight, qtype, j0, j1, k);
 }
 
 /* Claim and run chunks of phase `phase` until none is left. */

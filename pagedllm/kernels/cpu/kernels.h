@@ -18,6 +18,13 @@ int64_t gguf_q8_row_supported(int64_t qtype);
 void gguf_q8_quantize_row(int8_t *q, float *dx, const float *x, int64_t k, int64_t qtype);
 void gguf_q8_row_matmul(float *out, const int8_t *q, const float *dx, const uint8_t *w,
                         int64_t qtype, int64_t j0, int64_t j1, int64_t k);
+/* Q4_0 / Q4_1 rows repacked 8 at a time for the one-row int8 GEMV (quant_x8.c): rows a
+ * multiple of 8; the matmul takes groups [g0, g1) of 8 rows. */
+int64_t gguf_x8_supported(int64_t qtype);
+void gguf_x8_repack(uint8_t *dst, const uint8_t *src, int64_t qtype, int64_t rows,
+                    int64_t k);
+void gguf_x8_row_matmul(float *out, const int8_t *q, const float *dx, const uint8_t *w,
+                        int64_t qtype, int64_t g0, int64_t g1, int64_t k);
 void rms_norm_f32(float *out, float *residual_out, const float *x, const float *residual_in,
                   const float *weight, int64_t rows, int64_t dim, float eps,
                   int64_t num_threads);
