@@ -45,4 +45,10 @@ void paged_attention_decode_f32(float *out, const float *query, const float *key
                                 int64_t sliding_window, const float *alibi,
                                 int64_t max_seq_len, int64_t num_threads);
 
+void paged_attention_decode_head_f32(float *out, const float *query, const float *key_cache,
+                                     const float *value_cache, const int32_t *table,
+                                     int64_t len, int64_t h, int64_t num_heads,
+                                     int64_t num_kv_heads, int64_t head_dim,
+                                     int64_t block_size, float scale);
+
 #endif
