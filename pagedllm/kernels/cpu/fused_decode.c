@@ -63,12 +63,18 @@ typedef struct {
     int64_t table_stride, max_seq_len, num_threads;
 } DecodeStep;
 
+#define X8_MAX_ROWS 64 /* as quant_x8.c (and quant.c's int8 path) */
+
 static void project(const Projection *p, float *out, const float *x, int64_t rows,
                     int64_t num_threads) {
     for (int64_t i = 0; i < p->num_segments; i++) {
         const Segment *s = &p->segments[i];
-        gguf_matmul_f32(out + s->start, p->out_features, x, p->in_features, rows, s->weight,
-                        s->qtype, s->rows, p->in_features, num_threads);
+        if (s->x8 != NULL && rows <= X8_MAX_ROWS)
+            gguf_x8_matmul(out + s->start, p->out_features, x, p->in_features, rows, s->x8,
+                           s->qtype, s->rows, p->in_features, num_threads);
+        else
+            gguf_matmul_f32(out + s->start, p->out_features, x, p->in_features, rows,
+                            s->weight, s->qtype, s->rows, p->in_features, num_threads);
     }
 }
 

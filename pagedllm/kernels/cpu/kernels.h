@@ -25,6 +25,10 @@ void gguf_x8_repack(uint8_t *dst, const uint8_t *src, int64_t qtype, int64_t row
                     int64_t k);
 void gguf_x8_row_matmul(float *out, const int8_t *q, const float *dx, const uint8_t *w,
                         int64_t qtype, int64_t g0, int64_t g1, int64_t k);
+/* up to 64 activation rows (fp32, quantized inside) against the repacked w */
+void gguf_x8_matmul(float *out, int64_t ldo, const float *x, int64_t ldx, int64_t rows,
+                    const uint8_t *w, int64_t qtype, int64_t n, int64_t k,
+                    int64_t num_threads);
 void rms_norm_f32(float *out, float *residual_out, const float *x, const float *residual_in,
                   const float *weight, int64_t rows, int64_t dim, float eps,
                   int64_t num_threads);

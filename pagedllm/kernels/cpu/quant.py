@@ -38,6 +38,7 @@ _SIGNATURES = {
     "gguf_x8_repack": ([_ptr, _ptr, _i64, _i64, _i64], None),
     "gguf_x8_row_matmul": ([_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64], None),
     "gguf_q8_quantize_row": ([_ptr, _ptr, _ptr, _i64, _i64], None),
+    "gguf_x8_matmul": ([_ptr, _i64, _ptr, _i64, _i64, _ptr] + [_i64] * 4, None),
 }
 
 
@@ -184,6 +185,19 @@ def x8_row_matmul(x: torch.Tensor, repacked: torch.Tensor, qtype: int, n: int) -
     out = torch.empty(n)
     _kernel("gguf_x8_row_matmul")(out.data_ptr(), q.data_ptr(), dx.data_ptr(),
                                   repacked.data_ptr(), int(qtype), 0, n // 8, k)
+    return out
+
+
+def x8_matmul(x: torch.Tensor, repacked: torch.Tensor, qtype: int, n: int) -> torch.Tensor:
+    """x [rows, k] fp32 (rows <= INT8_MAX_ROWS, quantized to int8 per row as the int8 path
+    does) times a repack_x8 weight, transposed: [rows, n] (the fused decode's few-stream
+    steps; tests)."""
+    rows, k = x.shape
+    if x.dtype != torch.float32 or x.stride(-1) != 1 or rows > INT8_MAX_ROWS:
+        raise ValueError(f"x8_matmul takes fp32 rows, contiguous, at most {INT8_MAX_ROWS}")
+    out = torch.empty(rows, n)
+    _kernel("gguf_x8_matmul")(out.data_ptr(), n, x.data_ptr(), x.stride(0), rows,
+                              repacked.data_ptr(), int(qtype), n, k, torch.get_num_threads())
     return out
 
 

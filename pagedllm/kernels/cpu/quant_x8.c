@@ -24,7 +24,9 @@
  * Q4_0, whose off is d). The sums equal quant.c's; only the fp32 order of the blocks'
  * accumulation differs.
  */
+#include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "kernels.h"
@@ -70,6 +72,8 @@ void gguf_x8_repack(uint8_t *dst, const uint8_t *src, int64_t qtype, int64_t row
     }
 }
 
+#define X8_MAX_ROWS 64 /* activation rows of gguf_x8_matmul, as quant.c's int8 path */
+
 #ifdef X8_AVX2
 #define X8_PREFETCH 2048 /* bytes ahead of the block being read */
 
@@ -110,7 +114,81 @@ static inline __attribute__((always_inline)) void x8_groups(int64_t QT, float *o
         _mm256_storeu_ps(out + 8 * g, _mm256_add_ps(acc, corr));
     }
 }
+
+/* Group g of the repacked w against `rows` quantized activation rows (q [rows][k], dx
+ * [rows][k / 16]): out[r * ldo + 8g + i]. Each block's nibbles are unpacked once, into
+ * registers, for all the rows; the rows' accumulators live in L1. */
+static inline __attribute__((always_inline)) void x8_group_rows(int64_t QT, float *out,
+                                                                int64_t ldo, const int8_t *q,
+                                                                const float *dx, int64_t rows,
+                                                                const uint8_t *w, int64_t g,
+                                                                int64_t k) {
+    const int64_t nb = k / 32, gb = x8_block_bytes(QT), scales = QT == Q4_1 ? 32 : 16;
+    const __m256i mask = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    __m256 acc[X8_MAX_ROWS];
+    for (int64_t r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+    const uint8_t *b = w + g * nb * gb;
+    for (int64_t j = 0; j < nb; j++, b += gb) {
+        __m256i lo[4], hi[4];
+        for (int s = 0; s < 4; s++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(b + scales + 32 * s));
+            lo[s] = _mm256_and_si256(v, mask);
+            hi[s] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b));
+        const __m256 off = QT == Q4_1
+                               ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 16)))
+                               : d;
+        for (int64_t r = 0; r < rows; r++) {
+            const int8_t *x = q + r * k + 32 * j;
+            __m256i sum = _mm256_setzero_si256();
+            for (int s = 0; s < 4; s++) {
+                int32_t lo4, hi4;
+                memcpy(&lo4, x + 4 * s, 4);
+                memcpy(&hi4, x + 16 + 4 * s, 4);
+                sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(lo[s], _mm256_set1_epi32(lo4)));
+                sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(hi[s], _mm256_set1_epi32(hi4)));
+            }
+            const float *xd = dx + r * (k / 16) + 2 * j;
+            const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum, ones));
+            acc[r] = _mm256_fmadd_ps(off, _mm256_set1_ps(xd[1]), acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xd[0])), p, acc[r]);
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) _mm256_storeu_ps(out + r * ldo + 8 * g, acc[r]);
+}
 #endif
+
+/* out[r * ldo + j] = x[r] . W[j] for the activation rows x [rows, ldx] (k used, rows at
+ * most X8_MAX_ROWS, as quant.c's int8 path) and the n rows of the repacked w: a few
+ * streams' decode step (fused_decode.c), the activations quantized as quant.c's are. */
+void gguf_x8_matmul(float *out, int64_t ldo, const float *x, int64_t ldx, int64_t rows,
+                    const uint8_t *w, int64_t qtype, int64_t n, int64_t k,
+                    int64_t num_threads) {
+    qtype &= ~(int64_t)GGUF_INT8_ACTIVATIONS;
+    int8_t *q = malloc((size_t)(rows * k) + 64);
+    float *dx = malloc(sizeof(float) * (size_t)(rows * (k / 16)) + 64);
+    if (q == NULL || dx == NULL || rows > X8_MAX_ROWS) {
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t j = 0; j < n; j++) out[r * ldo + j] = NAN; /* never silently wrong */
+        free(q), free(dx);
+        return;
+    }
+    for (int64_t r = 0; r < rows; r++)
+        gguf_q8_quantize_row(q + r * k, dx + r * (k / 16), x + r * ldx, k, qtype);
+#ifdef X8_AVX2
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (n * k * rows >= 65536)
+    for (int64_t g = 0; g < n / 8; g++) {
+        if (qtype == Q4_1)
+            x8_group_rows(Q4_1, out, ldo, q, dx, rows, w, g, k);
+        else
+            x8_group_rows(Q4_0, out, ldo, q, dx, rows, w, g, k);
+    }
+#else
+    (void)w, (void)num_threads;
+#endif
+    free(q), free(dx);
+}
 
 /* out[j] = x . W[j] for the rows j in [8 * g0, 8 * g1) of the repacked w, against one
  * activation row quantized by gguf_q8_quantize_row for this qtype (q [k], dx [k / 16]). */
