@@ -146,6 +146,39 @@ def test_silu_and_mul_matches_torch(rows, dim):
                                rtol=1e-6, atol=1e-30)
 
 
+@pytest.mark.parametrize("vocab", [49152, 1000, 13, 1])  # 13, 1: the scalar code alone
+def test_row_argmax_logsumexp_matches_torch(vocab):
+    """Each row's first maximal index (ties, a maximum in the vector body and in the tail)
+    and its logsumexp, against torch's max(dim) and float64 logsumexp."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(5, vocab, generator=g) * 8
+    x[1, vocab // 3] = x[1, vocab - 1] = 100.0  # a tie: the first index wins
+    x[2, -1] = 100.0  # the maximum in the tail
+    x[3] = 0.5  # every entry equal
+    x[4, : vocab // 2] = -float("inf")
+    idx, lse = cpu_kernels.row_argmax_logsumexp(x)
+    assert torch.equal(idx, x.max(dim=-1).indices)
+    assert lse.shape == (5, 1)
+    torch.testing.assert_close(lse.double(), x.double().logsumexp(-1, keepdim=True),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_row_argmax_logsumexp_nan_and_infinite_rows():
+    """NaN counts as the maximum (torch.max's rule) and gives a NaN logsumexp; a row of
+    -inf has logsumexp -inf, one with +inf has +inf; a row of a strided tensor."""
+    x = torch.randn(4, 100)
+    x[0, 37] = x[0, 60] = float("nan")
+    x[1] = -float("inf")
+    x[2, 5] = float("inf")
+    idx, lse = cpu_kernels.row_argmax_logsumexp(x)
+    assert idx.tolist()[:3] == [37, 0, 5] and idx[3] == x[3].argmax()
+    assert lse[0].isnan() and lse[1] == -float("inf") and lse[2] == float("inf")
+    wide = torch.randn(3, 64)
+    idx, lse = cpu_kernels.row_argmax_logsumexp(wide[:, 8:40])
+    assert torch.equal(idx, wide[:, 8:40].argmax(-1))
+    torch.testing.assert_close(lse, wide[:, 8:40].logsumexp(-1, keepdim=True))
+
+
 def test_rotary_rejects_heads_that_are_not_contiguous():
     rotary = RotaryEmbedding(head_dim=8, max_position=16, theta=1e4)
     q = torch.randn(3, 8, 4).transpose(1, 2)  # [3, 4 heads, 8] with strided heads

@@ -156,6 +156,36 @@ def test_a_wrong_scale_or_nibble_order_fails_both_checks(qtype, how, rows):
     assert ((y - want).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1], ids=lambda t: t.name)
+def test_the_8_row_layout_matches_the_emulation_and_fails_when_mutated(qtype):
+    """quant_x8.c (the fused decode's GEMV, one row and a few): the repacked copy gives the
+    emulation's exact integer sums within fp32 rounding; a wrong scale or nibble order in the source
+    weight fails the check; a row count that is not a multiple of 8 has no such layout."""
+    if not quant.x8_repackable(qtype, 8, 32):
+        pytest.skip("no 8-row layout in this build (AVX2, F16C and FMA)")
+    assert not quant.x8_repackable(qtype, 12, 64) and not quant.x8_repackable(QT.Q8_0, 8, 32)
+    for n, blocks in [(8, 1), (40, 3), (96, 18)]:
+        packed_np, packed, k = case(qtype, n, blocks, seed=n)
+        x = torch.randn(1, k, generator=torch.Generator().manual_seed(n))
+        x[0, :32] *= 50  # an outlier block
+        repacked = quant.repack_x8(packed, qtype, n, k)
+        y = quant.x8_row_matmul(x[0], repacked, qtype, n)
+        want, bound = emulated_matmul(x, packed_np, qtype)
+        assert ((y.double() - want[0]).abs() <= bound[0]).all(), n
+        for rows in (1, 2, 16, 64):  # a few streams' step: gguf_x8_matmul
+            xs = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+            xs[0, :32] *= 50
+            y = quant.x8_matmul(xs, repacked, qtype, n)
+            want_rows, bound_rows = emulated_matmul(xs, packed_np, qtype)
+            assert ((y.double() - want_rows).abs() <= bound_rows).all(), (n, rows)
+    for how in ("scale", "order"):
+        bad = torch.from_numpy(mutated(packed_np, qtype, how).reshape(-1).copy())
+        y_bad = quant.x8_row_matmul(x[0], quant.repack_x8(bad, qtype, n, k), qtype, n)
+        assert ((y_bad.double() - want[0]).abs() > bound[0]).double().mean() > 0.5, how
+        y_bad = quant.x8_matmul(xs, quant.repack_x8(bad, qtype, n, k), qtype, n)
+        assert ((y_bad.double() - want_rows).abs() > bound_rows).double().mean() > 0.5, how
+
+
 def test_cpu_activations_option_is_checked():
     from pagedllm.engine_args import EngineArgs
 

@@ -38,6 +38,39 @@ def test_greedy_is_argmax():
     assert [r[0].token_id for r in out] == logits.argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("kind", ["greedy", "mixed", "min_tokens", "penalty"])
+def test_cpu_kernel_reductions_match_the_torch_ops(monkeypatch, kind):
+    """On the CPU the argmax and logsumexp come from one C call (kernels/cpu/sampling.c)
+    where the library is built: the same tokens, ranks and top logprobs as torch's max and
+    logsumexp, and logprobs within float rounding."""
+    from pagedllm.kernels import cpu
+    from pagedllm.layers import sampler as sampler_module
+
+    if not cpu.available():
+        pytest.skip("no C compiler: the CPU runs the torch ops")
+    torch.manual_seed(2)
+    logits = torch.randn(4, 3000) * 4
+    extra = {"greedy": {}, "mixed": {}, "min_tokens": {"min_tokens": 5},
+             "penalty": {"repetition_penalty": 1.3}}[kind]
+
+    def rows():
+        made = [row(prompt=(1, 7), temperature=0.0, logprobs=2, **extra) for _ in range(3)]
+        made.append(row(temperature=0.9, seed=11, logprobs=1, **extra) if kind == "mixed"
+                    else row(temperature=0.0, **extra))
+        return made
+
+    def run():
+        return [r[0] for r in Sampler([EOS, 5])(logits.clone(), rows())]
+
+    with_kernel = run()
+    monkeypatch.setattr(sampler_module, "_cpu_reductions", lambda logits, x: False)
+    with_torch = run()
+    for a, b in zip(with_kernel, with_torch):
+        assert (a.token_id, a.rank, a.top_logprobs.keys()) == \
+            (b.token_id, b.rank, b.top_logprobs.keys())
+        assert a.logprob == pytest.approx(b.logprob, rel=1e-5, abs=1e-5)
+
+
 def test_logprobs_rank_and_top_logprobs_come_from_raw_logits():
     torch.manual_seed(1)
     logits = torch.randn(3, 40)

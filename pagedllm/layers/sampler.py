@@ -125,6 +125,8 @@ class Sampler:
         token_ids = lse = None
         if logits.is_cuda:
             token_ids, lse = _sample_with_triton(logits, x, rows, self.sortfree)
+        elif _cpu_reductions(logits, x):
+            token_ids, lse = _sample_with_cpu_kernels(logits, x, rows)
         if token_ids is None:
             token_ids = _choose_tokens(x, rows, sample_rows)
         if refused is not None:
@@ -349,6 +351,31 @@ def _sample_with_triton(logits: torch.Tensor, x: torch.Tensor, rows: list[Sampli
             x, inv_temp, _row_seeds(rows, x.device), thresholds=thresholds)
     if x is not logits:
         lse = triton_sampling.row_argmax_logsumexp(logits)[1]
+    return tokens, lse
+
+
+def _cpu_reductions(logits: torch.Tensor, x: torch.Tensor) -> bool:
+    """kernels/cpu's row_argmax_logsumexp applies: fp32 CPU rows and the C kernels built."""
+    from pagedllm.kernels import cpu
+
+    return (logits.device.type == "cpu" and all(
+        t.dtype == torch.float32 and t.dim() == 2 and t.stride(-1) == 1 for t in (logits, x))
+        and logits.shape[1] > 0 and cpu.available())
+
+
+def _sample_with_cpu_kernels(logits: torch.Tensor, x: torch.Tensor, rows: list[SamplingRow]
+                             ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The tokens of x's rows when every row is greedy with one sample (None otherwise:
+    _choose_tokens draws them), and the logsumexp of the raw logits: one C call per
+    [rows, vocab] tensor instead of torch's six passes (kernels/cpu/sampling.c)."""
+    from pagedllm.kernels import cpu
+
+    tokens, lse = cpu.row_argmax_logsumexp(logits)
+    if not all(r.num_samples == 1 and r.params.sampling_type == SamplingType.GREEDY
+               for r in rows):
+        return None, lse
+    if x is not logits:
+        tokens = cpu.row_argmax_logsumexp(x)[0]
     return tokens, lse
 
 

@@ -25,6 +25,7 @@ _SIGNATURES = {
     "rms_norm_f32": [_ptr] * 5 + [_i64, _i64, _f32, _i64],
     "silu_and_mul_f32": [_ptr, _ptr, _i64, _i64, _i64],
     "rotary_embedding_f32": [_ptr, _i64, _ptr, _i64] + [_ptr] * 3 + [_i64] * 5,
+    "row_argmax_logsumexp_f32": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64],
 }
 
 
@@ -65,6 +66,23 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
         kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), key.data_ptr(), key.stride(0),
         value.data_ptr(), value.stride(0), slots.data_ptr(), key.shape[0], row,
     )
+
+
+def row_argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [rows, vocab] fp32 -> (first index of each row's maximum [rows] int64,
+    logsumexp [rows, 1] fp32): logits.max(-1).indices and logits.logsumexp(-1, keepdim=True)
+    in one call (sampling.c), as kernels/triton_sampling.py's of the same name on CUDA."""
+    if logits.dim() != 2 or logits.dtype != torch.float32 or logits.stride(-1) != 1:
+        raise ValueError("row_argmax_logsumexp takes fp32 [rows, vocab] rows, contiguous")
+    rows, vocab = logits.shape
+    if vocab == 0:
+        raise ValueError("row_argmax_logsumexp takes a non-empty vocabulary")
+    idx = torch.empty(rows, dtype=torch.int64)
+    lse = torch.empty(rows, 1)
+    _kernel("row_argmax_logsumexp_f32")(logits.data_ptr(), rows, vocab, logits.stride(0),
+                                        idx.data_ptr(), lse.data_ptr(),
+                                        torch.get_num_threads())
+    return idx, lse
 
 
 def is_decode_step(query: torch.Tensor, meta: PagedAttentionInputMetadata) -> bool:

@@ -28,10 +28,12 @@
 
 #define MAX_SEGMENTS 4
 
-/* Rows [start, start + rows) of a projection's output, packed in one block type. */
+/* Rows [start, start + rows) of a projection's output, packed in one block type; x8: the
+ * same rows in quant_x8.c's 8-row layout, or NULL (the one-row int8 step reads it). */
 typedef struct {
     const uint8_t *weight;
     int64_t qtype, start, rows;
+    const uint8_t *x8;
 } Segment;
 
 typedef struct {
@@ -61,12 +63,18 @@ typedef struct {
     int64_t table_stride, max_seq_len, num_threads;
 } DecodeStep;
 
+#define X8_MAX_ROWS 64 /* as quant_x8.c (and quant.c's int8 path) */
+
 static void project(const Projection *p, float *out, const float *x, int64_t rows,
                     int64_t num_threads) {
     for (int64_t i = 0; i < p->num_segments; i++) {
         const Segment *s = &p->segments[i];
-        gguf_matmul_f32(out + s->start, p->out_features, x, p->in_features, rows, s->weight,
-                        s->qtype, s->rows, p->in_features, num_threads);
+        if (s->x8 != NULL && rows <= X8_MAX_ROWS)
+            gguf_x8_matmul(out + s->start, p->out_features, x, p->in_features, rows, s->x8,
+                           s->qtype, s->rows, p->in_features, num_threads);
+        else
+            gguf_matmul_f32(out + s->start, p->out_features, x, p->in_features, rows,
+                            s->weight, s->qtype, s->rows, p->in_features, num_threads);
     }
 }
 
@@ -74,11 +82,11 @@ static void project(const Projection *p, float *out, const float *x, int64_t row
  * microseconds at most, too short for a fork and a join barrier each (a barrier waits for
  * every thread, and on a busy machine a descheduled one holds the others up for a whole
  * time slice). One parallel region runs the step: thread 0 walks the layers and does the
- * small serial work (norms, rotary, the cache write, attention, SiLU); each projection is
- * published as a phase of CHUNK_ROWS-row chunks that every thread claims from one atomic
- * ticket. Thread 0 then waits only for the chunks that were claimed, never for a thread
- * that is not running. */
-#define CHUNK_ROWS 32
+ * small serial work (norms, rotary, the cache write, SiLU); each projection is published as
+ * a phase of CHUNK_ROWS-row chunks that every thread claims from one atomic ticket, and
+ * the attention as a phase of one chunk per query head. Thread 0 then waits only for the
+ * chunks that were claimed, never for a thread that is not running. */
+#define CHUNK_ROWS 32 /* a multiple of 8: quant_x8.c's groups */
 /* the ticket: phase << 40 | chunks << 20 | next chunk */
 #define PHASE_END (((int64_t)1 << 23) - 1)
 #define TICKET(phase, chunks) ((int64_t)(phase) << 40 | (int64_t)(chunks) << 20)
@@ -97,6 +105,11 @@ typedef struct {
     const int8_t *q; /* the input row quantized for each segment's type: [MAX_SEGMENTS][k] */
     const float *dx; /* [MAX_SEGMENTS][k / 16] */
     int64_t first_chunk[MAX_SEGMENTS + 1];
+    /* an attention phase instead (layer non-NULL): chunk h is query head h */
+    const DecodeModel *m;
+    const DecodeStep *st;
+    const DecodeLayer *layer;
+    const float *query;
 } WorkQueue;
 
 static int one_row_int8(const Projection *p) {
@@ -107,15 +120,27 @@ static int one_row_int8(const Projection *p) {
 }
 
 static void run_chunk(const WorkQueue *wq, int64_t c) {
+    if (wq->layer != NULL) {
+        const DecodeModel *m = wq->m;
+        paged_attention_decode_head_f32(wq->out, wq->query, wq->layer->key_cache,
+                                        wq->layer->value_cache, wq->st->block_tables,
+                                        wq->st->seq_lens[0], c, m->num_heads, m->num_kv_heads,
+                                        m->head_dim, m->block_size, m->scale);
+        return;
+    }
     const Projection *p = wq->p;
     int64_t i = 0;
     while (c >= wq->first_chunk[i + 1]) i++;
     const Segment *s = &p->segments[i];
     const int64_t j0 = (c - wq->first_chunk[i]) * CHUNK_ROWS;
     const int64_t j1 = j0 + CHUNK_ROWS < s->rows ? j0 + CHUNK_ROWS : s->rows;
-    const int64_t k = p->in_features;
-    gguf_q8_row_matmul(wq->out + s->start, wq->q + i * k, wq->dx + i * (k / 16), s->weight,
-                       s->qtype & ~(int64_t)GGUF_INT8_ACTIVATIONS, j0, j1, k);
+    const int64_t k = p->in_features, qtype = s->qtype & ~(int64_t)GGUF_INT8_ACTIVATIONS;
+    if (s->x8 != NULL) /* rows a multiple of 8, chunks of CHUNK_ROWS (one too) */
+        gguf_x8_row_matmul(wq->out + s->start, wq->q + i * k, wq->dx + i * (k / 16), s->x8,
+                           qtype, j0 / 8, j1 / 8, k);
+    else
+        gguf_q8_row_matmul(wq->out + s->start, wq->q + i * k, wq->dx + i * (k / 16),
+                           s->weight, qtype, j0, j1, k);
 }
 
 /* Claim and run chunks of phase `phase` until none is left. */
@@ -146,6 +171,16 @@ static void worker_loop(WorkQueue *wq) {
     }
 }
 
+/* Publish the phase's description (already in wq) as phase *phase + 1 of `chunks` chunks,
+ * work on it, and wait until every chunk is done. */
+static void run_shared(WorkQueue *wq, int64_t *phase, int64_t *expected, int64_t chunks) {
+    *phase += 1;
+    *expected += chunks;
+    atomic_store_explicit(&wq->ticket, TICKET(*phase, chunks), memory_order_release);
+    work_phase(wq, *phase);
+    while (atomic_load_explicit(&wq->done, memory_order_acquire) < *expected) SPIN_PAUSE();
+}
+
 /* out = x . W^T for one row x [p->in_features], shared with the workers. `q` and `dx`
  * hold MAX_SEGMENTS quantized copies of the row. */
 static void project_shared(WorkQueue *wq, int64_t *phase, int64_t *expected,
@@ -159,13 +194,16 @@ static void project_shared(WorkQueue *wq, int64_t *phase, int64_t *expected,
                              s->qtype & ~(int64_t)GGUF_INT8_ACTIVATIONS);
         wq->first_chunk[i + 1] = wq->first_chunk[i] + (s->rows + CHUNK_ROWS - 1) / CHUNK_ROWS;
     }
-    const int64_t chunks = wq->first_chunk[p->num_segments];
-    wq->p = p, wq->out = out, wq->q = q, wq->dx = dx;
-    *phase += 1;
-    *expected += chunks;
-    atomic_store_explicit(&wq->ticket, TICKET(*phase, chunks), memory_order_release);
-    work_phase(wq, *phase);
-    while (atomic_load_explicit(&wq->done, memory_order_acquire) < *expected) SPIN_PAUSE();
+    wq->p = p, wq->out = out, wq->q = q, wq->dx = dx, wq->layer = NULL;
+    run_shared(wq, phase, expected, wq->first_chunk[p->num_segments]);
+}
+
+/* out [num_heads, head_dim] = the sequence's attention for query [num_heads, head_dim]
+ * over layer L's cache, one head per chunk: shared with the workers as a projection is. */
+static void attend_shared(WorkQueue *wq, int64_t *phase, int64_t *expected,
+                          const DecodeLayer *L, float *out, const float *query) {
+    wq->layer = L, wq->out = out, wq->query = query;
+    run_shared(wq, phase, expected, wq->m->num_heads);
 }
 
 /* Thread 0's walk over the layers, for one row (llama_decode_layers_f32's order). */
@@ -190,10 +228,7 @@ static void one_row_layers(const DecodeModel *m, const DecodeStep *st, WorkQueue
                              m->num_heads, m->num_kv_heads, m->head_dim, 1);
         write_kv_cache_f32(L->key_cache, L->value_cache, k, qkv_size, v, qkv_size, st->slots,
                            1, kv_size);
-        paged_attention_decode_f32(attn, qkv, L->key_cache, L->value_cache, st->block_tables,
-                                   st->table_stride, st->seq_lens, 1, m->num_heads,
-                                   m->num_kv_heads, m->head_dim, m->block_size, m->scale, 0,
-                                   NULL, st->max_seq_len, 1);
+        attend_shared(wq, &phase, &expected, L, attn, qkv);
         project_shared(wq, &phase, &expected, &L->o, hidden_out, attn, q, dx);
         rms_norm_f32(normed, residual_out, hidden_out, res, L->post_norm, 1, H, L->post_eps, 1);
         project_shared(wq, &phase, &expected, &L->gate_up, gate_up, normed, q, dx);
@@ -227,7 +262,7 @@ static int decode_one_row(const DecodeModel *m, const DecodeStep *st, const floa
         free(buf), free(q), free(dx);
         return 0;
     }
-    WorkQueue wq = {.p = &m->layers[0].qkv};
+    WorkQueue wq = {.p = &m->layers[0].qkv, .m = m, .st = st};
     atomic_init(&wq.ticket, 0);
     atomic_init(&wq.done, 0);
 #pragma omp parallel num_threads(st->num_threads)

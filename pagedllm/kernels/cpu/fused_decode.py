@@ -19,7 +19,8 @@ MAX_SEGMENTS = 4  # as fused_decode.c
 
 
 class _Segment(ctypes.Structure):
-    _fields_ = [("weight", _ptr), ("qtype", _i64), ("start", _i64), ("rows", _i64)]
+    _fields_ = [("weight", _ptr), ("qtype", _i64), ("start", _i64), ("rows", _i64),
+                ("x8", _ptr)]
 
 
 class _Projection(ctypes.Structure):
@@ -49,12 +50,14 @@ class _DecodeStep(ctypes.Structure):
 
 @dataclass(frozen=True)
 class PackedProjection:
-    """A packed [out_features, in_features] weight: (address, qtype, first output row, rows)
-    of each run of rows in one block type."""
+    """A packed [out_features, in_features] weight: (address, qtype, first output row, rows,
+    address of its 8-row copy or 0) of each run of rows in one block type; `copies` holds
+    the 8-row copies (kernels/cpu/quant_x8.c), which the one-row int8 step reads instead."""
 
-    segments: tuple[tuple[int, int, int, int], ...]
+    segments: tuple[tuple[int, int, int, int, int], ...]
     in_features: int
     out_features: int
+    copies: tuple[torch.Tensor, ...] = ()
 
 
 @dataclass(frozen=True, eq=False)
@@ -89,6 +92,8 @@ class DecodeModel:
             raise ValueError("a fused decode needs at least one layer")
         self.tensors = [cos, sin] + [t for w in layers
                                      for t in (w.input_norm, w.post_norm, w.kv_cache)]
+        self.copies = [t for w in layers for p in (w.qkv, w.o, w.gate_up, w.down)
+                       for t in p.copies]
         for t in self.tensors:
             if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
                 raise ValueError("a fused decode takes contiguous fp32 CPU tensors")

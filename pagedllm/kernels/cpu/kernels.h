@@ -18,6 +18,17 @@ int64_t gguf_q8_row_supported(int64_t qtype);
 void gguf_q8_quantize_row(int8_t *q, float *dx, const float *x, int64_t k, int64_t qtype);
 void gguf_q8_row_matmul(float *out, const int8_t *q, const float *dx, const uint8_t *w,
                         int64_t qtype, int64_t j0, int64_t j1, int64_t k);
+/* Q4_0 / Q4_1 rows repacked 8 at a time for the one-row int8 GEMV (quant_x8.c): rows a
+ * multiple of 8; the matmul takes groups [g0, g1) of 8 rows. */
+int64_t gguf_x8_supported(int64_t qtype);
+void gguf_x8_repack(uint8_t *dst, const uint8_t *src, int64_t qtype, int64_t rows,
+                    int64_t k);
+void gguf_x8_row_matmul(float *out, const int8_t *q, const float *dx, const uint8_t *w,
+                        int64_t qtype, int64_t g0, int64_t g1, int64_t k);
+/* up to 64 activation rows (fp32, quantized inside) against the repacked w */
+void gguf_x8_matmul(float *out, int64_t ldo, const float *x, int64_t ldx, int64_t rows,
+                    const uint8_t *w, int64_t qtype, int64_t n, int64_t k,
+                    int64_t num_threads);
 void rms_norm_f32(float *out, float *residual_out, const float *x, const float *residual_in,
                   const float *weight, int64_t rows, int64_t dim, float eps,
                   int64_t num_threads);
@@ -37,5 +48,11 @@ void paged_attention_decode_f32(float *out, const float *query, const float *key
                                 int64_t head_dim, int64_t block_size, float scale,
                                 int64_t sliding_window, const float *alibi,
                                 int64_t max_seq_len, int64_t num_threads);
+
+void paged_attention_decode_head_f32(float *out, const float *query, const float *key_cache,
+                                     const float *value_cache, const int32_t *table,
+                                     int64_t len, int64_t h, int64_t num_heads,
+                                     int64_t num_kv_heads, int64_t head_dim,
+                                     int64_t block_size, float scale);
 
 #endif

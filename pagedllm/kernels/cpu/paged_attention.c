@@ -266,6 +266,32 @@ void paged_attention_decode_f32(float *out, const float *query, const float *key
     }
 }
 
+/* Query head h alone of one sequence of len tokens (fused_decode.c's single stream shares
+ * the heads among its threads): the same operations as that head gets in
+ * paged_attention_decode_f32, so the same values. No sliding window, no ALiBi. */
+void paged_attention_decode_head_f32(float *out, const float *query, const float *key_cache,
+                                     const float *value_cache, const int32_t *table,
+                                     int64_t len, int64_t h, int64_t num_heads,
+                                     int64_t num_kv_heads, int64_t head_dim,
+                                     int64_t block_size, float scale) {
+    const int64_t g = h / (num_heads / num_kv_heads), offset = h * head_dim;
+    float *scores = malloc(sizeof(float) * (size_t)len);
+#ifdef ATTEND_AVX2
+    if (head_dim % 64 == 0) {
+        const float **rows = malloc(sizeof(float *) * 2 * (size_t)len);
+        attend_group_avx2(out + offset, query + offset, key_cache, value_cache, table, len, 0,
+                          g, 1, num_kv_heads, head_dim, block_size, scale, scores, rows,
+                          rows + len);
+        free(rows);
+        free(scores);
+        return;
+    }
+#endif
+    attend_group(out + offset, query + offset, key_cache, value_cache, table, len, 0, g, 1,
+                 num_kv_heads, head_dim, block_size, scale, NULL, scores);
+    free(scores);
+}
+
 /* reshape_and_cache: copy each token's key and value rows (num_kv_heads * head_dim floats,
  * at the given row strides) into its cache slot; slot -1 means "do not write". */
 void write_kv_cache_f32(float *key_cache, float *value_cache, const float *key,

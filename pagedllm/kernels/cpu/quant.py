@@ -34,6 +34,11 @@ _SIGNATURES = {
     "gguf_get_rows_f32": ([_ptr, _ptr, _i64, _i64, _ptr, _i64, _i64], None),
     "gguf_matmul_f32": ([_ptr, _i64, _ptr, _i64, _i64, _ptr] + [_i64] * 4, None),
     "gguf_quantize_q8_f32": ([_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64], None),
+    "gguf_x8_supported": ([_i64], _i64),
+    "gguf_x8_repack": ([_ptr, _ptr, _i64, _i64, _i64], None),
+    "gguf_x8_row_matmul": ([_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64], None),
+    "gguf_q8_quantize_row": ([_ptr, _ptr, _ptr, _i64, _i64], None),
+    "gguf_x8_matmul": ([_ptr, _i64, _ptr, _i64, _i64, _ptr] + [_i64] * 4, None),
 }
 
 
@@ -150,6 +155,49 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, qtype: int, n: int,
     _kernel("gguf_matmul_f32")(out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), rows,
                                packed.data_ptr(), kernel_qtype(qtype, int8_activations), n, k,
                                torch.get_num_threads())
+    return out
+
+
+def x8_repackable(qtype: int, n: int, k: int) -> bool:
+    """A packed [n, k] weight of this type has quant_x8.c's 8-row layout in this build."""
+    return n % 8 == 0 and k % 32 == 0 and bool(_kernel("gguf_x8_supported")(int(qtype)))
+
+
+def repack_x8(packed: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
+    """A copy of the packed [n, k] Q4_0 / Q4_1 weight in quant_x8.c's layout (8 rows' blocks
+    together), as many bytes: the one-row int8 GEMV of the fused decode reads it."""
+    qtype = int(qtype) & ~INT8_ACTIVATIONS
+    _check(packed, qtype, n, k)
+    if not x8_repackable(qtype, n, k):
+        raise ValueError(f"no 8-row layout for {QuantType(qtype).name} [{n}, {k}]")
+    out = torch.empty_like(packed)
+    _kernel("gguf_x8_repack")(out.data_ptr(), packed.data_ptr(), qtype, n, k)
+    return out
+
+
+def x8_row_matmul(x: torch.Tensor, repacked: torch.Tensor, qtype: int, n: int) -> torch.Tensor:
+    """x [k] fp32 (quantized to int8 as the one-row path does) times a repack_x8 weight,
+    transposed: [n] (tests: against matmul's one-row int8 path)."""
+    k = x.shape[0]
+    q, dx = torch.empty(k, dtype=torch.int8), torch.empty(k // 16)
+    _kernel("gguf_q8_quantize_row")(q.data_ptr(), dx.data_ptr(), x.contiguous().data_ptr(), k,
+                                    int(qtype))
+    out = torch.empty(n)
+    _kernel("gguf_x8_row_matmul")(out.data_ptr(), q.data_ptr(), dx.data_ptr(),
+                                  repacked.data_ptr(), int(qtype), 0, n // 8, k)
+    return out
+
+
+def x8_matmul(x: torch.Tensor, repacked: torch.Tensor, qtype: int, n: int) -> torch.Tensor:
+    """x [rows, k] fp32 (rows <= INT8_MAX_ROWS, quantized to int8 per row as the int8 path
+    does) times a repack_x8 weight, transposed: [rows, n] (the fused decode's few-stream
+    steps; tests)."""
+    rows, k = x.shape
+    if x.dtype != torch.float32 or x.stride(-1) != 1 or rows > INT8_MAX_ROWS:
+        raise ValueError(f"x8_matmul takes fp32 rows, contiguous, at most {INT8_MAX_ROWS}")
+    out = torch.empty(rows, n)
+    _kernel("gguf_x8_matmul")(out.data_ptr(), n, x.data_ptr(), x.stride(0), rows,
+                              repacked.data_ptr(), int(qtype), n, k, torch.get_num_threads())
     return out
 
 
