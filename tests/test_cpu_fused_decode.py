@@ -98,10 +98,11 @@ X8_RTOL = 1e-2
 
 
 @pytest.mark.parametrize("x8", [False, True])
-@pytest.mark.parametrize("threads,num_seqs", [(1, 1), (2, 1), (2, 3)])
+@pytest.mark.parametrize("threads,num_seqs", [(1, 1), (2, 1), (3, 1), (2, 3)])
 def test_int8_decode_matches_the_per_op_path(tmp_path, monkeypatch, threads, num_seqs, x8):
     """One row: fused_decode.c's shared-queue path (the threads claim chunks of rows and
-    the attention's heads); 3 rows: its general loop (gguf_x8_matmul where x8)."""
+    the attention's heads from two halves of each phase; 3 threads: more threads than
+    halves); 3 rows: its general loop (gguf_x8_matmul where x8)."""
     monkeypatch.setattr(gguf_model_tests, "TYPES", INT8_TYPES)
     if not x8:
         monkeypatch.setattr(quant, "x8_repackable", lambda qtype, n, k: False)

@@ -83,22 +83,27 @@ static void project(const Projection *p, float *out, const float *x, int64_t row
  * every thread, and on a busy machine a descheduled one holds the others up for a whole
  * time slice). One parallel region runs the step: thread 0 walks the layers and does the
  * small serial work (norms, rotary, the cache write, SiLU); each projection is published as
- * a phase of CHUNK_ROWS-row chunks that every thread claims from one atomic ticket, and
+ * a phase of CHUNK_ROWS-row chunks that every thread claims from atomic tickets, and
  * the attention as a phase of one chunk per query head. Thread 0 then waits only for the
  * chunks that were claimed, never for a thread that is not running. */
 #define CHUNK_ROWS 32 /* a multiple of 8: quant_x8.c's groups */
-/* the ticket: phase << 40 | chunks << 20 | next chunk */
+/* a ticket: phase << 40 | end << 20 | next chunk; a phase's chunks are split in two halves,
+ * each its own ticket, so that each of two threads reads a contiguous run of the weight
+ * (one stream for its prefetchers) and takes from the other half once its own is done */
 #define PHASE_END (((int64_t)1 << 23) - 1)
-#define TICKET(phase, chunks) ((int64_t)(phase) << 40 | (int64_t)(chunks) << 20)
+#define TICKET(phase, end, next) \
+    ((int64_t)(phase) << 40 | (int64_t)(end) << 20 | (int64_t)(next))
 #define TICKET_PHASE(t) ((t) >> 40)
 #define TICKET_CHUNKS(t) (((t) >> 20) & 0xfffff)
 #define TICKET_NEXT(t) ((t) & 0xfffff)
 
 typedef struct {
-    /* claimed by compare-and-swap: a claim is of the phase (and its chunk count) it read,
+    /* claimed by compare-and-swap: a claim is of the phase (and its half's end) it read,
      * and the phase's description stays as it is until each claimed chunk is done */
-    _Atomic int64_t ticket;
-    _Atomic int64_t done; /* chunks finished, over all phases */
+    struct {
+        _Alignas(64) _Atomic int64_t t;
+    } ticket[2];
+    _Alignas(64) _Atomic int64_t done; /* chunks finished, over all phases */
     /* the current phase's projection: read only between a successful claim and its done */
     const Projection *p;
     float *out;
@@ -143,30 +148,33 @@ static void run_chunk(const WorkQueue *wq, int64_t c) {
                            s->weight, qtype, j0, j1, k);
 }
 
-/* Claim and run chunks of phase `phase` until none is left. */
-static void work_phase(WorkQueue *wq, int64_t phase) {
-    int64_t t = atomic_load_explicit(&wq->ticket, memory_order_acquire);
-    while (TICKET_PHASE(t) == phase && TICKET_NEXT(t) < TICKET_CHUNKS(t)) {
-        if (atomic_compare_exchange_weak_explicit(&wq->ticket, &t, t + 1, memory_order_acquire,
-                                                  memory_order_acquire)) {
-            run_chunk(wq, TICKET_NEXT(t));
-            atomic_fetch_add_explicit(&wq->done, 1, memory_order_release);
-            t = atomic_load_explicit(&wq->ticket, memory_order_acquire);
+/* Claim and run chunks of phase `phase` until none is left: from half `own` first. */
+static void work_phase(WorkQueue *wq, int64_t phase, int own) {
+    for (int i = 0; i < 2; i++) {
+        _Atomic int64_t *ticket = &wq->ticket[(own + i) & 1].t;
+        int64_t t = atomic_load_explicit(ticket, memory_order_acquire);
+        while (TICKET_PHASE(t) == phase && TICKET_NEXT(t) < TICKET_CHUNKS(t)) {
+            if (atomic_compare_exchange_weak_explicit(ticket, &t, t + 1, memory_order_acquire,
+                                                      memory_order_acquire)) {
+                run_chunk(wq, TICKET_NEXT(t));
+                atomic_fetch_add_explicit(&wq->done, 1, memory_order_release);
+                t = atomic_load_explicit(ticket, memory_order_acquire);
+            }
         }
     }
 }
 
-static void worker_loop(WorkQueue *wq) {
+static void worker_loop(WorkQueue *wq, int own) {
     int64_t finished = -1; /* the last phase this thread found empty */
     for (;;) {
-        const int64_t phase = TICKET_PHASE(atomic_load_explicit(&wq->ticket,
+        const int64_t phase = TICKET_PHASE(atomic_load_explicit(&wq->ticket[0].t,
                                                                 memory_order_acquire));
         if (phase == PHASE_END) return;
         if (phase == finished) {
             SPIN_PAUSE();
             continue;
         }
-        work_phase(wq, phase);
+        work_phase(wq, phase, own);
         finished = phase;
     }
 }
@@ -176,8 +184,11 @@ static void worker_loop(WorkQueue *wq) {
 static void run_shared(WorkQueue *wq, int64_t *phase, int64_t *expected, int64_t chunks) {
     *phase += 1;
     *expected += chunks;
-    atomic_store_explicit(&wq->ticket, TICKET(*phase, chunks), memory_order_release);
-    work_phase(wq, *phase);
+    const int64_t half = (chunks + 1) / 2;
+    /* the second half first: a worker that sees the phase in ticket[0] sees both */
+    atomic_store_explicit(&wq->ticket[1].t, TICKET(*phase, chunks, half), memory_order_release);
+    atomic_store_explicit(&wq->ticket[0].t, TICKET(*phase, half, 0), memory_order_release);
+    work_phase(wq, *phase, 0);
     while (atomic_load_explicit(&wq->done, memory_order_acquire) < *expected) SPIN_PAUSE();
 }
 
@@ -263,21 +274,24 @@ static int decode_one_row(const DecodeModel *m, const DecodeStep *st, const floa
         return 0;
     }
     WorkQueue wq = {.p = &m->layers[0].qkv, .m = m, .st = st};
-    atomic_init(&wq.ticket, 0);
+    atomic_init(&wq.ticket[0].t, 0);
+    atomic_init(&wq.ticket[1].t, 0);
     atomic_init(&wq.done, 0);
 #pragma omp parallel num_threads(st->num_threads)
     {
 #ifdef _OPENMP
-        const int main_thread = omp_get_thread_num() == 0;
+        const int thread = omp_get_thread_num();
 #else
-        const int main_thread = 1;
+        const int thread = 0;
 #endif
+        const int main_thread = thread == 0;
         if (main_thread) {
             one_row_layers(m, st, &wq, hidden_in, residual_in, hidden_out, residual_out, buf, q,
                            dx);
-            atomic_store_explicit(&wq.ticket, TICKET(PHASE_END, 0), memory_order_release);
+            atomic_store_explicit(&wq.ticket[0].t, TICKET(PHASE_END, 0, 0),
+                                  memory_order_release);
         } else {
-            worker_loop(&wq);
+            worker_loop(&wq, thread & 1);
         }
     }
     free(buf), free(q), free(dx);
