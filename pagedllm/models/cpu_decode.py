@@ -88,9 +88,9 @@ def _supports(model: nn.Module) -> bool:
 
 def _projection(p: GGUFLinear) -> fused_decode.PackedProjection:
     """The projection's segments; those on int8 activations with quant_x8.c's layout get
-    an 8-row copy of their weight (as many bytes again), which a one-row step reads: its
-    GEMV runs ~2x the GGUF layout's speed. The copy is made when the plan is built, from
-    weights that are not written after loading."""
+    an 8-row copy of their weight (as many bytes again), which the fused steps of up to 64
+    rows read: its GEMV runs about twice the GGUF layout's speed. The copy is made when the
+    plan is built, from weights that are not written after loading."""
     base = p.qweight.data_ptr()
     segments, copies = [], []
     for s, qtype in zip(p.segments, p.kernel_qtypes):

@@ -52,7 +52,7 @@ class _DecodeStep(ctypes.Structure):
 class PackedProjection:
     """A packed [out_features, in_features] weight: (address, qtype, first output row, rows,
     address of its 8-row copy or 0) of each run of rows in one block type; `copies` holds
-    the 8-row copies (kernels/cpu/quant_x8.c), which the one-row int8 step reads instead."""
+    the 8-row copies (kernels/cpu/quant_x8.c), which the int8 steps read instead."""
 
     segments: tuple[tuple[int, int, int, int, int], ...]
     in_features: int

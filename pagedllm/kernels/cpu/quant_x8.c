@@ -1,11 +1,11 @@
-/* Q4_0 / Q4_1 weights repacked 8 rows at a time, for the one-row int8 GEMV of a single
- * stream's decode (fused_decode.c). A copy made once, beside the GGUF layout, which every
- * other path keeps reading.
+/* Q4_0 / Q4_1 weights repacked 8 rows at a time, for the int8 GEMVs of the fused decode
+ * (fused_decode.c: a single stream's step, and steps of up to 64 rows). A copy made once,
+ * beside the GGUF layout, which every other path keeps reading.
  *
  * Why: in GGUF's layout (quant.c's q8_row_block) each 32-weight block of one row is a dot
  * of 8 int32 lanes that must be converted, scaled by the block's own d and summed into
- * that row: ~11 vector instructions per block, and the 2-core Zen 3 here runs that kernel
- * at ~12 GB/s a core, under what its memory gives. Here 8 rows' block j lie together, laid
+ * that row: ~11 vector instructions per block, which makes that kernel compute-bound below
+ * what two cores read from memory (docs/benchmarks.md). Here 8 rows' block j lie together, laid
  * out so that 32-bit lane r of every vector is row r: the dot products need no horizontal
  * sum, and the conversion, the scale (8 rows' d in one fp16 load) and the offset are one
  * instruction each for 8 rows: ~6 instructions per row's block.

@@ -2,9 +2,9 @@
  * logsumexp (the logprob of the chosen token needs it) in two passes over the row.
  *
  * torch computes them as max(dim) and logsumexp: six passes over [rows, vocab] (max, then
- * logsumexp's amax, sub, exp, sum, log), each an op dispatch and a fork of the thread pool:
- * ~0.45 ms a step for one row of a 49k vocabulary on the 2-core machine here, 5% of a
- * 135M model's decode step. This is one call, one thread per row.
+ * logsumexp's amax, sub, exp, sum, log), each an op dispatch and a fork of the thread pool,
+ * a visible part of a small model's decode step (docs/benchmarks.md). This is one call,
+ * one thread per row.
  *
  * The values are torch's: the argmax is the first index of the row's maximum, NaN counting
  * as the maximum (as torch.max does); the logsumexp is max + log(sum(exp(x - max))), which
