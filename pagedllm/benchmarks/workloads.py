@@ -159,8 +159,10 @@ def build_parser(workload: Workload) -> argparse.ArgumentParser:
                    help="decode steps per scheduling step (default: 8 on CUDA, 1 on CPU)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="overlap the host's work with the device's (default: on CUDA only)")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="default: the engine's, sized by the device (the start-up log says)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="default: the engine's, sized by the device")
     p.add_argument("--kv-cache-memory", default=None, help="bytes for the KV cache on the CPU")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
