@@ -239,6 +239,12 @@ def test_sharegpt_help_lists_its_options(capsys):
     assert (args.model, args.load_format, args.dtype) == ("llama-3-8b", "dummy", "bfloat16")
     assert (args.temperature, args.top_p, args.kv_cache_dtype) == (0.8, 0.95, "auto")
     assert parse_args(["sharegpt", "--device", "cpu", "--num-prompts", "7"]).num_requests == 7
+    # the batch limits are the engine's (sized by the device) unless given
+    kwargs = workloads.engine_kwargs(args)
+    assert (kwargs["max_num_seqs"], kwargs["max_num_batched_tokens"]) == (None, None)
+    given = parse_args(["sharegpt", "--device", "cpu", "--max-num-seqs", "64",
+                        "--max-num-batched-tokens", "4096"])
+    assert (given.max_num_seqs, given.max_num_batched_tokens) == (64, 4096)
 
 
 def test_kernel_profile_sorts_kernels_into_the_tables_kinds():
