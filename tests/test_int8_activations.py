@@ -156,14 +156,14 @@ def test_a_wrong_scale_or_nibble_order_fails_both_checks(qtype, how, rows):
     assert ((y - want).abs() <= bound).all()
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_the_8_row_layout_matches_the_emulation_and_fails_when_mutated(qtype):
     """quant_x8.c (the fused decode's GEMV, one row and a few): the repacked copy gives the
     emulation's exact integer sums within fp32 rounding; a wrong scale or nibble order in the source
     weight fails the check; a row count that is not a multiple of 8 has no such layout."""
     if not quant.x8_repackable(qtype, 8, 32):
         pytest.skip("no 8-row layout in this build (AVX2, F16C and FMA)")
-    assert not quant.x8_repackable(qtype, 12, 64) and not quant.x8_repackable(QT.Q8_0, 8, 32)
+    assert not quant.x8_repackable(qtype, 12, 64) and not quant.x8_repackable(QT.Q6_K, 8, 256)
     for n, blocks in [(8, 1), (40, 3), (96, 18)]:
         packed_np, packed, k = case(qtype, n, blocks, seed=n)
         x = torch.randn(1, k, generator=torch.Generator().manual_seed(n))

@@ -117,6 +117,8 @@ class PackedMatrix(nn.Module):
         self.register_buffer("qweight", torch.empty(sum(s.nbytes for s in parts),
                                                     dtype=torch.uint8))
         self.loaded = [False] * len(parts)
+        # per segment, an 8-row copy (quant_x8.c) or None: see use_x8_copies
+        self.x8_copies: list[torch.Tensor | None] = []
         self.set_int8_activations(False)
 
     def set_int8_activations(self, on: bool) -> None:
@@ -125,6 +127,18 @@ class PackedMatrix(nn.Module):
         self.int8_activations = on
         # the qtype each segment's kernel call passes, flag included (the per-token path)
         self.kernel_qtypes = [quant.kernel_qtype(s.qtype, on) for s in self.segments]
+
+    def use_x8_copies(self) -> None:
+        """From now on, with int8 activations, matmuls of up to INT8_MAX_ROWS rows read an
+        8-row copy (quant_x8.c, as many bytes again) of each segment whose type has that
+        layout: its GEMV runs faster than the GGUF layout's. Called once the weights are
+        loaded (they are not written after), for the LM head."""
+        if self.x8_copies:
+            return
+        self.x8_copies = [
+            quant.repack_x8(self._data(s), s.qtype, s.rows, self.in_features)
+            if quant.x8_repackable(s.qtype, s.rows, self.in_features) else None
+            for s in self.segments]
 
     def load_packed(self, part: int, packed: PackedWeight) -> None:
         """Copy part `part` (a shard of a fused projection, else 0) in from the file."""
@@ -158,8 +172,14 @@ class PackedMatrix(nn.Module):
         if rows.shape[0] <= MAX_PACKED_ROWS:
             out = torch.empty(rows.shape[0], self.out_features)
             base = self.qweight.data_ptr()
-            for s, qtype in zip(self.segments, self.kernel_qtypes):  # checked at load
-                quant.matmul_unchecked(out, rows, base + s.offset, qtype, s.rows, s.start)
+            x8 = self.x8_copies if self.x8_copies and self.int8_activations and \
+                rows.shape[0] <= quant.INT8_MAX_ROWS else [None] * len(self.segments)
+            for s, qtype, copy in zip(self.segments, self.kernel_qtypes, x8):  # checked at load
+                if copy is not None:
+                    quant.x8_matmul_unchecked(out, rows, copy.data_ptr(), s.qtype, s.rows,
+                                              s.start)
+                else:
+                    quant.matmul_unchecked(out, rows, base + s.offset, qtype, s.rows, s.start)
         else:
             out = self._blas_matmul(rows)
         return out.reshape(*x.shape[:-1], self.out_features)
@@ -243,7 +263,10 @@ class GGUFEmbedding(PackedMatrix):
                               input_ids)
 
     def as_lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits of the tied LM head: hidden . table^T."""
+        """Logits of the tied LM head: hidden . table^T (with int8 activations, from the
+        table's 8-row copy, made on the first call)."""
+        if self.int8_activations:
+            self.use_x8_copies()
         return self.matmul(hidden)
 
 

@@ -18,7 +18,7 @@ int64_t gguf_q8_row_supported(int64_t qtype);
 void gguf_q8_quantize_row(int8_t *q, float *dx, const float *x, int64_t k, int64_t qtype);
 void gguf_q8_row_matmul(float *out, const int8_t *q, const float *dx, const uint8_t *w,
                         int64_t qtype, int64_t j0, int64_t j1, int64_t k);
-/* Q4_0 / Q4_1 rows repacked 8 at a time for the one-row int8 GEMV (quant_x8.c): rows a
+/* Q4_0 / Q4_1 / Q8_0 rows repacked 8 at a time for the int8 GEMVs (quant_x8.c): rows a
  * multiple of 8; the matmul takes groups [g0, g1) of 8 rows. */
 int64_t gguf_x8_supported(int64_t qtype);
 void gguf_x8_repack(uint8_t *dst, const uint8_t *src, int64_t qtype, int64_t rows,

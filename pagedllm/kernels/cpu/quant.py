@@ -120,6 +120,15 @@ def matmul_unchecked(out: torch.Tensor, x: torch.Tensor, weight_ptr: int, qtype:
                                torch.get_num_threads())
 
 
+def x8_matmul_unchecked(out: torch.Tensor, x: torch.Tensor, repacked_ptr: int, qtype: int,
+                        n: int, col: int = 0) -> None:
+    """x8_matmul into out[:, col:col + n], for x [rows <= INT8_MAX_ROWS, k] fp32 with
+    contiguous rows and a repack_x8 copy checked once by its caller."""
+    _kernel("gguf_x8_matmul")(out.data_ptr() + 4 * col, out.stride(0), x.data_ptr(),
+                              x.stride(0), x.shape[0], repacked_ptr, int(qtype), n, x.shape[1],
+                              torch.get_num_threads())
+
+
 def kernel_qtype(qtype: int, int8_activations: bool) -> int:
     """The qtype a matmul call passes: with the int8 flag where the type has that path."""
     return int(qtype) | INT8_ACTIVATIONS if int8_activations and qtype in INT8_TYPES \
@@ -164,8 +173,9 @@ def x8_repackable(qtype: int, n: int, k: int) -> bool:
 
 
 def repack_x8(packed: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
-    """A copy of the packed [n, k] Q4_0 / Q4_1 weight in quant_x8.c's layout (8 rows' blocks
-    together), as many bytes: the one-row int8 GEMV of the fused decode reads it."""
+    """A copy of the packed [n, k] Q4_0 / Q4_1 / Q8_0 weight in quant_x8.c's layout (8 rows'
+    blocks together), as many bytes: the int8 GEMVs of the fused decode and the LM head
+    read it."""
     qtype = int(qtype) & ~INT8_ACTIVATIONS
     _check(packed, qtype, n, k)
     if not x8_repackable(qtype, n, k):

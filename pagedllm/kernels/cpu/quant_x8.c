@@ -1,6 +1,6 @@
-/* Q4_0 / Q4_1 weights repacked 8 rows at a time, for the int8 GEMVs of the fused decode
- * (fused_decode.c: a single stream's step, and steps of up to 64 rows). A copy made once,
- * beside the GGUF layout, which every other path keeps reading.
+/* Q4_0 / Q4_1 / Q8_0 weights repacked 8 rows at a time, for the int8 GEMVs of the fused
+ * decode (fused_decode.c: a single stream's step, and steps of up to 64 rows) and of the
+ * LM head. A copy made once, beside the GGUF layout, which every other path keeps reading.
  *
  * Why: in GGUF's layout (quant.c's q8_row_block) each 32-weight block of one row is a dot
  * of 8 int32 lanes that must be converted, scaled by the block's own d and summed into
@@ -16,13 +16,16 @@
  *   q[4][32]      q[s][4r + i] = byte 4s + i of row r's 16 nibble bytes (i < 4)
  * so the low nibbles of q[s] hold weights 4s .. 4s + 3 of each row and the high nibbles
  * weights 16 + 4s .. 16 + 4s + 3 (GGUF's order: byte i holds weights i and i + 16).
+ * Q8_0: fp16 d[8], then q[8][32] with q[s][4r + i] = row r's int8 weight 4s + i.
  *
  * Arithmetic, per block: the 32 products of the unsigned nibbles with the int8
  * activations summed exactly in int16 (8 maddubs results of at most 2 * 15 * 127 each,
  * 30480 < 2^15) then to int32 by one madd; y += (d * dx) * sum + off * xo, the
  * activation row quantized as for quant.c's one-row path (xo: sx for Q4_1, -8 sx for
- * Q4_0, whose off is d). The sums equal quant.c's; only the fp32 order of the blocks'
- * accumulation differs.
+ * Q4_0, whose off is d). Q8_0's signed weights are made unsigned by moving their sign
+ * onto the activations (|w| . sign(x, w), as quant.c), each maddubs pair (at most
+ * 2 * 127 * 127) widened to int32 at once; it has no offset term. The sums equal
+ * quant.c's; only the fp32 order of the blocks' accumulation differs.
  */
 #include <math.h>
 #include <stdint.h>
@@ -31,20 +34,26 @@
 
 #include "kernels.h"
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define X8_AVX2 1
 #endif
 
-enum { Q4_0 = 2, Q4_1 = 3 }; /* GGMLQuantizationType */
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 }; /* GGMLQuantizationType */
 
-static int64_t x8_block_bytes(int64_t qtype) { return qtype == Q4_1 ? 160 : 144; }
+static int64_t x8_block_bytes(int64_t qtype) {
+    return qtype == Q4_1 ? 160 : qtype == Q8_0 ? 272 : 144;
+}
 
 /* Whether qtype (its GGUF_INT8_ACTIVATIONS flag ignored) has the repacked layout here. */
 int64_t gguf_x8_supported(int64_t qtype) {
 #ifdef X8_AVX2
     const int64_t t = qtype & ~(int64_t)GGUF_INT8_ACTIVATIONS;
-    return t == Q4_0 || t == Q4_1;
+    return t == Q4_0 || t == Q4_1 || t == Q8_0;
 #else
     (void)qtype;
     return 0;
@@ -56,7 +65,21 @@ int64_t gguf_x8_supported(int64_t qtype) {
 void gguf_x8_repack(uint8_t *dst, const uint8_t *src, int64_t qtype, int64_t rows,
                     int64_t k) {
     qtype &= ~(int64_t)GGUF_INT8_ACTIVATIONS;
-    const int64_t nb = k / 32, q4_1 = qtype == Q4_1, sb = q4_1 ? 20 : 18;
+    const int64_t nb = k / 32;
+    if (qtype == Q8_0) {
+        for (int64_t g = 0; g < rows / 8; g++)
+            for (int64_t j = 0; j < nb; j++) {
+                uint8_t *o = dst + (g * nb + j) * 272;
+                for (int64_t r = 0; r < 8; r++) {
+                    const uint8_t *b = src + ((8 * g + r) * nb + j) * 34;
+                    memcpy(o + 2 * r, b, 2);
+                    for (int64_t s = 0; s < 8; s++)
+                        memcpy(o + 16 + 32 * s + 4 * r, b + 2 + 4 * s, 4);
+                }
+            }
+        return;
+    }
+    const int64_t q4_1 = qtype == Q4_1, sb = q4_1 ? 20 : 18;
     const int64_t gb = x8_block_bytes(qtype), scales = q4_1 ? 32 : 16, nibbles = q4_1 ? 4 : 2;
     for (int64_t g = 0; g < rows / 8; g++) {
         for (int64_t j = 0; j < nb; j++) {
@@ -113,6 +136,64 @@ static inline __attribute__((always_inline)) void x8_groups(int64_t QT, float *o
         }
         _mm256_storeu_ps(out + 8 * g, _mm256_add_ps(acc, corr));
     }
+}
+
+/* The integer sums of one Q8_0 group block (8 rows' 32 weights at b) against 32 int8
+ * activations x: lane r is row r's exact sum. */
+static inline __attribute__((always_inline)) __m256i x8_q8_0_sum(const uint8_t *b,
+                                                                 const int8_t *x) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i sum = _mm256_setzero_si256();
+    for (int s = 0; s < 8; s++) {
+        int32_t x4;
+        memcpy(&x4, x + 4 * s, 4);
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * s));
+        const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(v, v),
+                                               _mm256_sign_epi8(_mm256_set1_epi32(x4), v));
+        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, ones));
+    }
+    return sum;
+}
+
+/* Groups [g0, g1) of a repacked Q8_0 w against one activation row: out[8g + r]. */
+static void x8_groups_q8_0(float *out, const int8_t *xq, const float *dx, const uint8_t *w,
+                           int64_t g0, int64_t g1, int64_t k) {
+    const int64_t nb = k / 32;
+    for (int64_t g = g0; g < g1; g++) {
+        const uint8_t *b = w + g * nb * 272;
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        int64_t j = 0;
+        for (; j < nb; j++, b += 272) {
+            for (int l = 0; l < 5; l++)
+                _mm_prefetch((const char *)b + X8_PREFETCH + 64 * l, _MM_HINT_T0);
+            const __m256 p = _mm256_cvtepi32_ps(x8_q8_0_sum(b, xq + 32 * j));
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b));
+            const __m256 f = _mm256_mul_ps(d, _mm256_set1_ps(dx[2 * j]));
+            if (j & 1)
+                acc1 = _mm256_fmadd_ps(f, p, acc1);
+            else
+                acc0 = _mm256_fmadd_ps(f, p, acc0);
+        }
+        _mm256_storeu_ps(out + 8 * g, _mm256_add_ps(acc0, acc1));
+    }
+}
+
+/* Group g of a repacked Q8_0 w against `rows` activation rows, as x8_group_rows. */
+static void x8_group_rows_q8_0(float *out, int64_t ldo, const int8_t *q, const float *dx,
+                               int64_t rows, const uint8_t *w, int64_t g, int64_t k) {
+    const int64_t nb = k / 32;
+    __m256 acc[X8_MAX_ROWS];
+    for (int64_t r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+    const uint8_t *b = w + g * nb * 272;
+    for (int64_t j = 0; j < nb; j++, b += 272) {
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b));
+        for (int64_t r = 0; r < rows; r++) {
+            const __m256 p = _mm256_cvtepi32_ps(x8_q8_0_sum(b, q + r * k + 32 * j));
+            const float xd = dx[r * (k / 16) + 2 * j];
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xd)), p, acc[r]);
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) _mm256_storeu_ps(out + r * ldo + 8 * g, acc[r]);
 }
 
 /* Group g of the repacked w against `rows` quantized activation rows (q [rows][k], dx
@@ -177,9 +258,27 @@ void gguf_x8_matmul(float *out, int64_t ldo, const float *x, int64_t ldx, int64_
     for (int64_t r = 0; r < rows; r++)
         gguf_q8_quantize_row(q + r * k, dx + r * (k / 16), x + r * ldx, k, qtype);
 #ifdef X8_AVX2
+    if (rows == 1) { /* a GEMV: each thread one contiguous run of groups, prefetched */
+#pragma omp parallel num_threads(num_threads) if (n * k >= 65536)
+        {
+#ifdef _OPENMP
+            const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+            const int64_t t = 0, nt = 1;
+#endif
+            const int64_t groups = n / 8, share = (groups + nt - 1) / nt;
+            const int64_t g0 = t * share < groups ? t * share : groups;
+            const int64_t g1 = g0 + share < groups ? g0 + share : groups;
+            gguf_x8_row_matmul(out, q, dx, w, qtype, g0, g1, k);
+        }
+        free(q), free(dx);
+        return;
+    }
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (n * k * rows >= 65536)
     for (int64_t g = 0; g < n / 8; g++) {
-        if (qtype == Q4_1)
+        if (qtype == Q8_0)
+            x8_group_rows_q8_0(out, ldo, q, dx, rows, w, g, k);
+        else if (qtype == Q4_1)
             x8_group_rows(Q4_1, out, ldo, q, dx, rows, w, g, k);
         else
             x8_group_rows(Q4_0, out, ldo, q, dx, rows, w, g, k);
@@ -195,7 +294,10 @@ void gguf_x8_matmul(float *out, int64_t ldo, const float *x, int64_t ldx, int64_
 void gguf_x8_row_matmul(float *out, const int8_t *q, const float *dx, const uint8_t *w,
                         int64_t qtype, int64_t g0, int64_t g1, int64_t k) {
 #ifdef X8_AVX2
-    if ((qtype & ~(int64_t)GGUF_INT8_ACTIVATIONS) == Q4_1)
+    qtype &= ~(int64_t)GGUF_INT8_ACTIVATIONS;
+    if (qtype == Q8_0)
+        x8_groups_q8_0(out, q, dx, w, g0, g1, k);
+    else if (qtype == Q4_1)
         x8_groups(Q4_1, out, q, dx, w, g0, g1, k);
     else
         x8_groups(Q4_0, out, q, dx, w, g0, g1, k);
