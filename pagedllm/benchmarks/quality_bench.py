@@ -1,7 +1,7 @@
 """`pagedllm bench quality`: task accuracy of int8 activations against fp32 activations on
 the same GGUF, through lm-eval's `local-completions` against the real server.
 
-The task (data/facts.yaml, data/facts.jsonl) is 324 four-choice questions on public-domain
+The task (data/facts.yaml, data/facts.jsonl) is 1099 four-choice questions on public-domain
 general knowledge; lm-eval scores each choice by its log-likelihood after the question
 (/v1/completions with echo and logprobs: the prompt's own logprobs) and tokenizes through
 the server's /tokenize (tokenizer_backend=remote), so nothing but the server is consulted.
@@ -122,7 +122,7 @@ def parse(argv: list[str]) -> Any:
     parser.add_argument("--model", default=None, help="a GGUF file; default: SmolLM2-135M-"
                         "Instruct GGUF")
     parser.add_argument("--limit", type=int, default=None,
-                        help="only the first N questions (default: all 324)")
+                        help="only the first N questions (default: all 1099)")
     parser.add_argument("--num-concurrent", type=int, default=4,
                         help="lm-eval's requests in flight at once")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
