@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from pagedllm.kernels.cpu import quant
+from pagedllm.layers import gguf_linear
+from pagedllm.layers.gguf_linear import GGUFLinear, PackedWeight, make_segments
 from tests.quant_helpers import QT, dequantize, error_bound, random_packed
 
 pytestmark = pytest.mark.skipif(not quant.available(), reason="no CPU kernels")
@@ -184,6 +186,27 @@ def test_the_8_row_layout_matches_the_emulation_and_fails_when_mutated(qtype):
         assert ((y_bad.double() - want[0]).abs() > bound[0]).double().mean() > 0.5, how
         y_bad = quant.x8_matmul(xs, quant.repack_x8(bad, qtype, n, k), qtype, n)
         assert ((y_bad.double() - want_rows).abs() > bound_rows).double().mean() > 0.5, how
+
+
+@pytest.mark.parametrize("rows", [5, 64, 200])
+def test_a_layer_with_int8_activations_reads_its_8_row_copy_for_any_row_count(rows, monkeypatch):
+    """GGUFLinear with int8 activations: its first matmul makes the 8-row copy, which up to
+    64 rows take in one call and a prompt's rows (200: three chunks of 64 and one of 8)
+    chunk by chunk, never the fp32 BLAS path; every row within the emulation's bound."""
+    if not quant.x8_repackable(QT.Q4_1, 8, 32):
+        pytest.skip("no 8-row layout in this build (AVX2, F16C and FMA)")
+    monkeypatch.setattr(gguf_linear.PackedMatrix, "_blas_matmul", None)  # must not be called
+    n, k = 48, 32 * 6
+    packed_np = random_packed(QT.Q4_1, n, k, seed=rows)
+    layer = GGUFLinear(k, n, make_segments([(QT.Q4_1, n)], k))
+    layer.load_packed(0, PackedWeight(QT.Q4_1, packed_np, n, k))
+    layer.set_int8_activations(True)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    x[rows - 1, :32] *= 50  # an outlier block in the last chunk
+    y = layer(x)
+    assert layer.x8_copies and layer.x8_copies[0] is not None
+    want, bound = emulated_matmul(x, packed_np, QT.Q4_1)
+    assert ((y.double() - want).abs() <= bound).all()
 
 
 def test_cpu_activations_option_is_checked():

@@ -87,20 +87,17 @@ def _supports(model: nn.Module) -> bool:
 
 
 def _projection(p: GGUFLinear) -> fused_decode.PackedProjection:
-    """The projection's segments; those on int8 activations with quant_x8.c's layout get
-    an 8-row copy of their weight (as many bytes again), which the fused steps of up to 64
-    rows read: its GEMV runs about twice the GGUF layout's speed. The copy is made when the
-    plan is built, from weights that are not written after loading."""
+    """The projection's segments; with int8 activations, those with quant_x8.c's layout
+    point at the projection's 8-row copy (PackedMatrix.use_x8_copies), which the fused
+    steps of up to 64 rows read."""
     base = p.qweight.data_ptr()
-    segments, copies = [], []
-    for s, qtype in zip(p.segments, p.kernel_qtypes):
-        x8 = 0
-        if qtype & quant.INT8_ACTIVATIONS and quant.x8_repackable(qtype, s.rows, p.in_features):
-            copies.append(quant.repack_x8(p._data(s), qtype, s.rows, p.in_features))
-            x8 = copies[-1].data_ptr()
-        segments.append((base + s.offset, qtype, s.start, s.rows, x8))
+    if p.int8_activations:
+        p.use_x8_copies()
+    copies = p.x8_copies if p.int8_activations else [None] * len(p.segments)
+    segments = [(base + s.offset, qtype, s.start, s.rows, 0 if c is None else c.data_ptr())
+                for s, qtype, c in zip(p.segments, p.kernel_qtypes, copies)]
     return fused_decode.PackedProjection(tuple(segments), p.in_features, p.out_features,
-                                         tuple(copies))
+                                         tuple(c for c in copies if c is not None))
 
 
 def _weight_slots(layers: nn.ModuleList) -> list[tuple[dict, str]]:

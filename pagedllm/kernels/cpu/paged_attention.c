@@ -6,9 +6,10 @@
  * own keys and values once, block by block, through its block table, and its query heads
  * share every key and value row they read (grouped-query attention). One OpenMP task per
  * sequence and KV head (so that one sequence's heads spread over the threads too); fp32
- * accumulation throughout. With AVX2 (and no AVX-512) a head_dim of 64 or 128 takes
- * attend_group_avx2 (30 layers of 16 sequences of 96 tokens, 2 cores: 7.0 -> 5.3 ms, near
- * what reading their 71 MB of keys and values takes here).
+ * accumulation throughout. With AVX2 (AVX-512 CPUs included: its 512-bit dot products
+ * with one horizontal sum per token were slower) a head_dim multiple of 64 takes
+ * attend_group_avx2, which asks for all of a task's key and value rows before reading them
+ * (docs/benchmarks.md has its figures).
  *
  * Layout (see kernels/metadata.py): key_cache and value_cache [num_blocks, block_size,
  * num_kv_heads, head_dim]; query and out [num_seqs, num_heads, head_dim], one query token
@@ -21,7 +22,7 @@
 
 #include "kernels.h"
 #include "vector_math.h"
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -141,7 +142,7 @@ static void attend_group(float *out, const float *q, const float *key_cache,
     }
 }
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__)
 #define ATTEND_AVX2 1
 /* attend_group for AVX2 and head_dim a multiple of 64, without ALiBi: the keys' and values'
  * rows are looked up once (kp, vp: span pointers each); scores of 8 keys at a time, their 8
@@ -159,6 +160,13 @@ static void attend_group_avx2(float *out, const float *q, const float *key_cache
         for (; t < end; t++, k += token_stride, v += token_stride) {
             kp[t - start] = k + g * head_dim;
             vp[t - start] = v + g * head_dim;
+            /* every row's cache lines requested now, into L2: the rows are strided and
+             * scattered over blocks, so the hardware prefetcher alone leaves them to come
+             * in one miss at a time */
+            for (int64_t d = 0; d < head_dim; d += 16) {
+                _mm_prefetch((const char *)(kp[t - start] + d), _MM_HINT_T1);
+                _mm_prefetch((const char *)(vp[t - start] + d), _MM_HINT_T1);
+            }
         }
     }
     const __m256 vscale = _mm256_set1_ps(scale);

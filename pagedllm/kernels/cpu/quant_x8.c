@@ -41,6 +41,21 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define X8_AVX2 1
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#define X8_VNNI 1
+#endif
+#endif
+
+#ifdef X8_VNNI
+/* acc + lane i's 4 products of unsigned bytes u with signed bytes v (bytes 4i .. 4i + 3):
+ * VNNI's dpbusd, one instruction for maddubs + madd, and no int16 sums to bound. */
+static inline __m256i dpbusd(__m256i acc, __m256i u, __m256i v) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, v);
+#else
+    return _mm256_dpbusd_epi32(acc, u, v);
+#endif
+}
 #endif
 
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 }; /* GGMLQuantizationType */
@@ -106,6 +121,7 @@ static inline __attribute__((always_inline)) void x8_groups(int64_t QT, float *o
                                                             int64_t g1, int64_t k) {
     const int64_t nb = k / 32, gb = x8_block_bytes(QT), scales = QT == Q4_1 ? 32 : 16;
     const __m256i mask = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    (void)ones; /* the int16 sums' widening, without VNNI */
     for (int64_t g = g0; g < g1; g++) {
         const uint8_t *b = w + g * nb * gb;
         __m256 acc = _mm256_setzero_ps(), corr = _mm256_setzero_ps();
@@ -114,19 +130,31 @@ static inline __attribute__((always_inline)) void x8_groups(int64_t QT, float *o
             _mm_prefetch((const char *)b + X8_PREFETCH + 64, _MM_HINT_T0);
             _mm_prefetch((const char *)b + X8_PREFETCH + 128, _MM_HINT_T0);
             const int8_t *x = xq + 32 * j;
+#ifdef X8_VNNI
+            __m256i sum_lo = _mm256_setzero_si256(), sum_hi = _mm256_setzero_si256();
+#else
             __m256i sum = _mm256_setzero_si256();
+#endif
             for (int s = 0; s < 4; s++) {
                 int32_t lo4, hi4;
                 memcpy(&lo4, x + 4 * s, 4);
                 memcpy(&hi4, x + 16 + 4 * s, 4);
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(b + scales + 32 * s));
-                sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(_mm256_and_si256(v, mask),
-                                                                 _mm256_set1_epi32(lo4)));
-                sum = _mm256_add_epi16(
-                    sum, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), mask),
-                                              _mm256_set1_epi32(hi4)));
+                const __m256i lo = _mm256_and_si256(v, mask);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+#ifdef X8_VNNI
+                sum_lo = dpbusd(sum_lo, lo, _mm256_set1_epi32(lo4));
+                sum_hi = dpbusd(sum_hi, hi, _mm256_set1_epi32(hi4));
+#else
+                sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(lo, _mm256_set1_epi32(lo4)));
+                sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(hi, _mm256_set1_epi32(hi4)));
+#endif
             }
+#ifdef X8_VNNI
+            const __m256 p = _mm256_cvtepi32_ps(_mm256_add_epi32(sum_lo, sum_hi));
+#else
             const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum, ones));
+#endif
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b));
             acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(dx[2 * j])), p, acc);
             const __m256 off = QT == Q4_1
@@ -142,6 +170,17 @@ static inline __attribute__((always_inline)) void x8_groups(int64_t QT, float *o
  * activations x: lane r is row r's exact sum. */
 static inline __attribute__((always_inline)) __m256i x8_q8_0_sum(const uint8_t *b,
                                                                  const int8_t *x) {
+#ifdef X8_VNNI
+    __m256i sums[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (int s = 0; s < 8; s++) {
+        int32_t x4;
+        memcpy(&x4, x + 4 * s, 4);
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * s));
+        sums[s & 1] = dpbusd(sums[s & 1], _mm256_sign_epi8(v, v),
+                             _mm256_sign_epi8(_mm256_set1_epi32(x4), v));
+    }
+    return _mm256_add_epi32(sums[0], sums[1]);
+#else
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i sum = _mm256_setzero_si256();
     for (int s = 0; s < 8; s++) {
@@ -153,6 +192,7 @@ static inline __attribute__((always_inline)) __m256i x8_q8_0_sum(const uint8_t *
         sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, ones));
     }
     return sum;
+#endif
 }
 
 /* Groups [g0, g1) of a repacked Q8_0 w against one activation row: out[8g + r]. */
@@ -206,6 +246,7 @@ static inline __attribute__((always_inline)) void x8_group_rows(int64_t QT, floa
                                                                 int64_t k) {
     const int64_t nb = k / 32, gb = x8_block_bytes(QT), scales = QT == Q4_1 ? 32 : 16;
     const __m256i mask = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    (void)ones; /* the int16 sums' widening, without VNNI */
     __m256 acc[X8_MAX_ROWS];
     for (int64_t r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     const uint8_t *b = w + g * nb * gb;
@@ -222,6 +263,17 @@ static inline __attribute__((always_inline)) void x8_group_rows(int64_t QT, floa
                                : d;
         for (int64_t r = 0; r < rows; r++) {
             const int8_t *x = q + r * k + 32 * j;
+#ifdef X8_VNNI
+            __m256i sum_lo = _mm256_setzero_si256(), sum_hi = _mm256_setzero_si256();
+            for (int s = 0; s < 4; s++) {
+                int32_t lo4, hi4;
+                memcpy(&lo4, x + 4 * s, 4);
+                memcpy(&hi4, x + 16 + 4 * s, 4);
+                sum_lo = dpbusd(sum_lo, lo[s], _mm256_set1_epi32(lo4));
+                sum_hi = dpbusd(sum_hi, hi[s], _mm256_set1_epi32(hi4));
+            }
+            const __m256 p = _mm256_cvtepi32_ps(_mm256_add_epi32(sum_lo, sum_hi));
+#else
             __m256i sum = _mm256_setzero_si256();
             for (int s = 0; s < 4; s++) {
                 int32_t lo4, hi4;
@@ -230,13 +282,118 @@ static inline __attribute__((always_inline)) void x8_group_rows(int64_t QT, floa
                 sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(lo[s], _mm256_set1_epi32(lo4)));
                 sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(hi[s], _mm256_set1_epi32(hi4)));
             }
-            const float *xd = dx + r * (k / 16) + 2 * j;
             const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum, ones));
+#endif
+            const float *xd = dx + r * (k / 16) + 2 * j;
             acc[r] = _mm256_fmadd_ps(off, _mm256_set1_ps(xd[1]), acc[r]);
             acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xd[0])), p, acc[r]);
         }
     }
     for (int64_t r = 0; r < rows; r++) _mm256_storeu_ps(out + r * ldo + 8 * g, acc[r]);
+}
+#endif
+
+#if defined(X8_VNNI) && defined(__AVX512VL__)
+#define X8_PAIRS 1
+/* Groups g and g + 1 against `rows` activation rows, as x8_group_rows twice, but each
+ * broadcast of 4 activations feeds both groups' dpbusd: half the activation reads per
+ * product (AVX-512VL's 32 vector registers hold both groups' unpacked nibbles). */
+static inline __attribute__((always_inline)) void x8_group_pair_rows(
+        int64_t QT, float *out, int64_t ldo, const int8_t *q, const float *dx, int64_t rows,
+        const uint8_t *w, int64_t g, int64_t k) {
+    const int64_t nb = k / 32, gb = x8_block_bytes(QT), scales = QT == Q4_1 ? 32 : 16;
+    const __m256i mask = _mm256_set1_epi8(0x0f);
+    __m256 acc[2][X8_MAX_ROWS];
+    for (int64_t r = 0; r < rows; r++) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
+    const uint8_t *b0 = w + g * nb * gb, *b1 = b0 + nb * gb;
+    for (int64_t j = 0; j < nb; j++, b0 += gb, b1 += gb) {
+        __m256i lo[2][4], hi[2][4];
+        __m256 d[2], off[2];
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *b = h ? b1 : b0;
+            for (int s = 0; s < 4; s++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(b + scales + 32 * s));
+                lo[h][s] = _mm256_and_si256(v, mask);
+                hi[h][s] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+            }
+            d[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b));
+            off[h] = QT == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 16)))
+                                : d[h];
+        }
+        for (int64_t r = 0; r < rows; r++) {
+            const int8_t *x = q + r * k + 32 * j;
+            __m256i sum0 = _mm256_setzero_si256(), sum1 = _mm256_setzero_si256();
+            for (int s = 0; s < 4; s++) {
+                int32_t lo4, hi4;
+                memcpy(&lo4, x + 4 * s, 4);
+                memcpy(&hi4, x + 16 + 4 * s, 4);
+                const __m256i xl = _mm256_set1_epi32(lo4), xh = _mm256_set1_epi32(hi4);
+                sum0 = dpbusd(dpbusd(sum0, lo[0][s], xl), hi[0][s], xh);
+                sum1 = dpbusd(dpbusd(sum1, lo[1][s], xl), hi[1][s], xh);
+            }
+            const float *xd = dx + r * (k / 16) + 2 * j;
+            const __m256 xs = _mm256_set1_ps(xd[0]), xo = _mm256_set1_ps(xd[1]);
+            acc[0][r] = _mm256_fmadd_ps(off[0], xo, acc[0][r]);
+            acc[0][r] = _mm256_fmadd_ps(_mm256_mul_ps(d[0], xs), _mm256_cvtepi32_ps(sum0),
+                                        acc[0][r]);
+            acc[1][r] = _mm256_fmadd_ps(off[1], xo, acc[1][r]);
+            acc[1][r] = _mm256_fmadd_ps(_mm256_mul_ps(d[1], xs), _mm256_cvtepi32_ps(sum1),
+                                        acc[1][r]);
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        _mm256_storeu_ps(out + r * ldo + 8 * g, acc[0][r]);
+        _mm256_storeu_ps(out + r * ldo + 8 * g + 8, acc[1][r]);
+    }
+}
+#endif
+
+#ifdef X8_PAIRS
+/* Q8_0's groups g and g + 1 against `rows` activation rows, as x8_group_rows_q8_0 twice.
+ * dpbusd wants one unsigned operand: the activations are, as x + 128 (x ^ 0x80, weight-
+ * independent, so one broadcast feeds both groups), and 128 * sum(w) of each row's block,
+ * computed once for all the rows, is taken off the exact int32 sum. */
+static void x8_group_pair_rows_q8_0(float *out, int64_t ldo, const int8_t *q, const float *dx,
+                                    int64_t rows, const uint8_t *w, int64_t g, int64_t k) {
+    const int64_t nb = k / 32;
+    const __m256i bias = _mm256_set1_epi8((char)0x80);
+    __m256 acc[2][X8_MAX_ROWS];
+    for (int64_t r = 0; r < rows; r++) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
+    const uint8_t *b0 = w + g * nb * 272, *b1 = b0 + nb * 272;
+    for (int64_t j = 0; j < nb; j++, b0 += 272, b1 += 272) {
+        __m256i v[2][8], corr[2];
+        __m256 d[2];
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *b = h ? b1 : b0;
+            corr[h] = _mm256_setzero_si256();
+            for (int s = 0; s < 8; s++) {
+                v[h][s] = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * s));
+                corr[h] = dpbusd(corr[h], bias, v[h][s]);
+            }
+            d[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b));
+        }
+        for (int64_t r = 0; r < rows; r++) {
+            const int8_t *x = q + r * k + 32 * j;
+            __m256i sum0 = _mm256_sub_epi32(_mm256_setzero_si256(), corr[0]);
+            __m256i sum1 = _mm256_sub_epi32(_mm256_setzero_si256(), corr[1]);
+            for (int s = 0; s < 8; s++) {
+                uint32_t x4;
+                memcpy(&x4, x + 4 * s, 4);
+                const __m256i xb = _mm256_set1_epi32((int32_t)(x4 ^ 0x80808080u));
+                sum0 = dpbusd(sum0, xb, v[0][s]);
+                sum1 = dpbusd(sum1, xb, v[1][s]);
+            }
+            const __m256 xs = _mm256_set1_ps(dx[r * (k / 16) + 2 * j]);
+            acc[0][r] = _mm256_fmadd_ps(_mm256_mul_ps(d[0], xs), _mm256_cvtepi32_ps(sum0),
+                                        acc[0][r]);
+            acc[1][r] = _mm256_fmadd_ps(_mm256_mul_ps(d[1], xs), _mm256_cvtepi32_ps(sum1),
+                                        acc[1][r]);
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        _mm256_storeu_ps(out + r * ldo + 8 * g, acc[0][r]);
+        _mm256_storeu_ps(out + r * ldo + 8 * g + 8, acc[1][r]);
+    }
 }
 #endif
 
@@ -274,6 +431,26 @@ void gguf_x8_matmul(float *out, int64_t ldo, const float *x, int64_t ldx, int64_
         free(q), free(dx);
         return;
     }
+#ifdef X8_PAIRS
+    {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (n * k * rows >= 65536)
+        for (int64_t pair = 0; pair < (n / 8 + 1) / 2; pair++) {
+            const int64_t g = 2 * pair;
+            if (g + 1 == n / 8 && qtype == Q8_0)
+                x8_group_rows_q8_0(out, ldo, q, dx, rows, w, g, k);
+            else if (g + 1 == n / 8)
+                x8_group_rows(qtype, out, ldo, q, dx, rows, w, g, k);
+            else if (qtype == Q8_0)
+                x8_group_pair_rows_q8_0(out, ldo, q, dx, rows, w, g, k);
+            else if (qtype == Q4_1)
+                x8_group_pair_rows(Q4_1, out, ldo, q, dx, rows, w, g, k);
+            else
+                x8_group_pair_rows(Q4_0, out, ldo, q, dx, rows, w, g, k);
+        }
+        free(q), free(dx);
+        return;
+    }
+#endif
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (n * k * rows >= 65536)
     for (int64_t g = 0; g < n / 8; g++) {
         if (qtype == Q8_0)
