@@ -119,7 +119,7 @@ class EngineArgs:
     enforce_eager: bool = option(False, "no CUDA graphs")
     num_scheduler_steps: int | None = option(
         None, "decode steps per scheduling step, samples fed to the next step on the device "
-        "(default: 8 on CUDA, 1 on the CPU)")
+        "(default: 8 on CUDA, 4 on the CPU)")
     # On the CPU the forward is synchronous: nothing to overlap.
     async_scheduling: bool | None = option(
         None, "launch the next decode step before reading the running one's samples, so the "

@@ -165,6 +165,25 @@ def test_moved_weights_are_picked_up(tiny):
         assert_close(got, want)
 
 
+def test_moved_weights_are_picked_up_with_int8_activations(tmp_path, monkeypatch):
+    """The same with int8 activations, where both paths read 8-row copies of the weights:
+    a replaced weight gets copies of its own (the old ones hold the old values)."""
+    monkeypatch.setattr(gguf_model_tests, "TYPES", INT8_TYPES)
+    model = tiny_llm(tmp_path, cpu_activations="int8").engine.worker.model
+    both = PerOpAndFused(model)
+    both.step({0: [1, 2, 3]})
+    assert both.step({0: [4]})[2] == 1
+    for layer in (0, 1):  # each layer's down_proj gets the other's weight
+        proj, other = model.layers[layer].mlp.down_proj, model.layers[1 - layer].mlp.down_proj
+        proj.qweight = other.qweight.clone()
+        want, got, fused = both.step({0: [5 + layer]})
+        assert fused == 1
+        for seg, copy in zip(proj.segments, proj.x8_copies):  # the new weight's bytes
+            assert torch.equal(copy, quant.repack_x8(proj._data(seg), seg.qtype, seg.rows,
+                                                     proj.in_features))
+        assert (got - want).abs().max().item() <= X8_RTOL * want.abs().max().item()
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # q|k|v bias; per-head q/k norms
 def test_models_the_fused_step_does_not_cover_take_the_per_op_path(tmp_path, arch):
     llm = tiny_llm(tmp_path, arch)

@@ -100,7 +100,7 @@ class EngineCore:
         self.requests: dict[str, SequenceGroup] = {}
         self._seq_ids = itertools.count()
         steps = args.num_scheduler_steps
-        self.num_scheduler_steps = steps if steps is not None else (8 if info.on_cuda else 1)
+        self.num_scheduler_steps = steps if steps is not None else (8 if info.on_cuda else 4)
         # On the CPU the forward runs while it is launched: nothing to overlap.
         self.async_scheduling = info.on_cuda if args.async_scheduling is None \
             else args.async_scheduling

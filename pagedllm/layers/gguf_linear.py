@@ -119,6 +119,7 @@ class PackedMatrix(nn.Module):
         self.loaded = [False] * len(parts)
         # per segment, an 8-row copy (quant_x8.c) or None: see use_x8_copies
         self.x8_copies: list[torch.Tensor | None] = []
+        self._x8_source = 0  # the qweight address the copies were made from
         self.set_int8_activations(False)
 
     def set_int8_activations(self, on: bool) -> None:
@@ -133,8 +134,10 @@ class PackedMatrix(nn.Module):
         that layout, which int8-activation matmuls read from then on: its kernels run up to
         twice the GGUF layout's speed. Made on the first such matmul (the weights are
         loaded by then and not written after); the fused decode reads the same copies."""
-        if self.x8_copies:
+        source = self.qweight.data_ptr()  # a replaced weight gets copies of its own
+        if self.x8_copies and self._x8_source == source:
             return
+        self._x8_source = source
         self.x8_copies = [
             quant.repack_x8(self._data(s), s.qtype, s.rows, self.in_features)
             if quant.x8_repackable(s.qtype, s.rows, self.in_features) else None
