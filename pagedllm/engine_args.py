@@ -74,9 +74,9 @@ class EngineArgs:
         "files on the CPU with --dtype auto; --dtype float32 dequantizes them); fp8: FP8 "
         "weights on CUDA", QUANTIZATIONS)
     cpu_activations: str = option(
-        "fp32", "activations of GGUF-packed matmuls on the CPU in decode steps (1-64 rows): "
-        "fp32, or int8 (llama.cpp's Q8_0 blocks of 32, integer dot products; Q4_0, Q4_1 "
-        "and Q8_0 weights)", CPU_ACTIVATIONS)
+        "fp32", "activations of GGUF-packed matmuls on the CPU: fp32, or int8 (llama.cpp's "
+        "Q8_0 blocks of 32, integer dot products; Q4_0, Q4_1 and Q8_0 weights, decode steps "
+        "and prompts alike)", CPU_ACTIVATIONS)
     device: str = option("auto", "auto | cpu | cuda | cuda:N")
     device_map: str | None = option(
         None, 'layers per device, e.g. "cuda:0:20,cpu:10", or "auto" (by free memory)')

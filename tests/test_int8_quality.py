@@ -1,8 +1,9 @@
 """The quality rule of 8-bit activations (--cpu-activations int8) on the default GGUF: the
 perplexity of a fixed real public-domain text (the Declaration of Independence and the
 Gettysburg Address, 2,045 tokens) within +1.0% of the fp32-activation path's, with the
-prompt run in chunks of 64 tokens so that every projection takes the packed matmul (longer
-batches go to the BLAS path, fp32 in both modes). Greedy agreement is printed beside it."""
+prompt run in chunks of 64 tokens so that both modes' projections take the packed matmul
+(int8 runs longer batches 64 rows at a time; fp32 activations take BLAS above 64 rows).
+Greedy agreement is printed beside it."""
 from __future__ import annotations
 
 import math

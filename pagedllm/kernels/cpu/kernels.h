@@ -5,6 +5,19 @@
 #define PAGEDLLM_KERNELS_H
 
 #include <stdint.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* This thread's index and the team's size inside a parallel region (0 of 1 without
+ * OpenMP): the kernels that split their work into contiguous shares by hand. */
+static inline void thread_team(int64_t *t, int64_t *nt) {
+#ifdef _OPENMP
+    *t = omp_get_thread_num(), *nt = omp_get_num_threads();
+#else
+    *t = 0, *nt = 1;
+#endif
+}
 
 /* Or'ed into gguf_matmul_f32's qtype: 8-bit activations where quant.c has them. */
 #define GGUF_INT8_ACTIVATIONS 0x100

@@ -351,11 +351,8 @@ int64_t gguf_blas_matmul_f32(float *out, int64_t ldo, const float *x, int64_t ld
     int64_t failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-#ifdef _OPENMP
-        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-        const int64_t t = 0, nt = 1;
-#endif
+        int64_t t, nt;
+        thread_team(&t, &nt);
         /* shares of whole 16-column groups: a cache line of each output row per thread */
         const int64_t share = ((n + nt - 1) / nt + 15) & ~(int64_t)15;
         const int64_t c_begin = t * share < n ? t * share : n;
@@ -1083,11 +1080,8 @@ static void q8_matmul_row(float *out, const float *x, const uint8_t *w, int64_t 
     const Q8Row xr = {q, dx};
 #pragma omp parallel num_threads(num_threads) if (n * k >= 65536)
     {
-#ifdef _OPENMP
-        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-        const int64_t t = 0, nt = 1;
-#endif
+        int64_t t, nt;
+        thread_team(&t, &nt);
         /* contiguous shares of whole 16-row groups (a cache line of output each) */
         const int64_t share = ((n + nt - 1) / nt + 15) & ~(int64_t)15;
         const int64_t j0 = t * share < n ? t * share : n, j1 = j0 + share < n ? j0 + share : n;

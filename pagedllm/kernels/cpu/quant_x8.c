@@ -295,6 +295,15 @@ static inline __attribute__((always_inline)) void x8_group_rows(int64_t QT, floa
 
 #if defined(X8_VNNI) && defined(__AVX512VL__)
 #define X8_PAIRS 1
+/* Two groups' accumulators into out: rows x 16 columns from column 8g. */
+static inline void store_pair(float *out, int64_t ldo, __m256 acc[2][X8_MAX_ROWS],
+                              int64_t rows, int64_t g) {
+    for (int64_t r = 0; r < rows; r++) {
+        _mm256_storeu_ps(out + r * ldo + 8 * g, acc[0][r]);
+        _mm256_storeu_ps(out + r * ldo + 8 * g + 8, acc[1][r]);
+    }
+}
+
 /* Groups g and g + 1 against `rows` activation rows, as x8_group_rows twice, but each
  * broadcast of 4 activations feeds both groups' dpbusd: half the activation reads per
  * product (AVX-512VL's 32 vector registers hold both groups' unpacked nibbles). */
@@ -341,10 +350,7 @@ static inline __attribute__((always_inline)) void x8_group_pair_rows(
                                         acc[1][r]);
         }
     }
-    for (int64_t r = 0; r < rows; r++) {
-        _mm256_storeu_ps(out + r * ldo + 8 * g, acc[0][r]);
-        _mm256_storeu_ps(out + r * ldo + 8 * g + 8, acc[1][r]);
-    }
+    store_pair(out, ldo, acc, rows, g);
 }
 #endif
 
@@ -390,10 +396,7 @@ static void x8_group_pair_rows_q8_0(float *out, int64_t ldo, const int8_t *q, co
                                         acc[1][r]);
         }
     }
-    for (int64_t r = 0; r < rows; r++) {
-        _mm256_storeu_ps(out + r * ldo + 8 * g, acc[0][r]);
-        _mm256_storeu_ps(out + r * ldo + 8 * g + 8, acc[1][r]);
-    }
+    store_pair(out, ldo, acc, rows, g);
 }
 #endif
 
@@ -418,11 +421,8 @@ void gguf_x8_matmul(float *out, int64_t ldo, const float *x, int64_t ldx, int64_
     if (rows == 1) { /* a GEMV: each thread one contiguous run of groups, prefetched */
 #pragma omp parallel num_threads(num_threads) if (n * k >= 65536)
         {
-#ifdef _OPENMP
-            const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-            const int64_t t = 0, nt = 1;
-#endif
+            int64_t t, nt;
+            thread_team(&t, &nt);
             const int64_t groups = n / 8, share = (groups + nt - 1) / nt;
             const int64_t g0 = t * share < groups ? t * share : groups;
             const int64_t g1 = g0 + share < groups ? g0 + share : groups;
