@@ -32,6 +32,8 @@ def assert_all_freed(engine: LLMEngine) -> None:
 
 def test_one_step_at_a_time_executes_then_samples_each_batch():
     engine, fake = make()
+    assert engine.num_scheduler_steps == 4  # the CPU's default window
+    engine.num_scheduler_steps = 1
     engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True))
     engine.add_request("b", [20], SamplingParams(max_tokens=2, ignore_eos=True))
     done = run(engine)

@@ -163,9 +163,11 @@ class ServerMetrics:
             last = output.metrics.last_token_time if output.metrics else None
             last = last or time.monotonic()
             gap = last - self._last_token_time[output.request_id]
-            # Several tokens in one step (speculative decoding) share the gap.
-            per_token = gap / max(1, max(len(ids) for _, ids in output.deltas))
-            self.itl.observe(max(0.0, per_token))
+            # Several tokens in one step (a decode window, speculative decoding) share the
+            # gap: one observation per token, so the count is the tokens' as vLLM's.
+            tokens = max(1, max(len(ids) for _, ids in output.deltas))
+            for _ in range(tokens):
+                self.itl.observe(max(0.0, gap / tokens))
             self._last_token_time[output.request_id] = last
         if output.finished:
             self._last_token_time.pop(output.request_id, None)
