@@ -143,6 +143,14 @@ class PackedMatrix(nn.Module):
             if quant.x8_repackable(s.qtype, s.rows, self.in_features) else None
             for s in self.segments]
 
+    def x8_copies_in_use(self) -> list[torch.Tensor | None]:
+        """Per segment, the 8-row copy the matmuls read (made on first use), or None: fp32
+        activations, or a type without that layout."""
+        if not self.int8_activations:
+            return [None] * len(self.segments)
+        self.use_x8_copies()
+        return self.x8_copies
+
     def load_packed(self, part: int, packed: PackedWeight) -> None:
         """Copy part `part` (a shard of a fused projection, else 0) in from the file."""
         seg = self.parts[part]
@@ -172,15 +180,14 @@ class PackedMatrix(nn.Module):
             raise ValueError(f"GGUF weights compute in float32, got {rows.dtype} activations")
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
-        if self.int8_activations:
-            self.use_x8_copies()
-            if rows.shape[0] > MAX_PACKED_ROWS and all(c is not None for c in self.x8_copies):
-                return self._x8_chunked_matmul(rows).reshape(*x.shape[:-1], self.out_features)
+        copies = self.x8_copies_in_use()
+        if rows.shape[0] > MAX_PACKED_ROWS and all(c is not None for c in copies):
+            return self._x8_chunked_matmul(rows).reshape(*x.shape[:-1], self.out_features)
         if rows.shape[0] <= MAX_PACKED_ROWS:
             out = torch.empty(rows.shape[0], self.out_features)
             base = self.qweight.data_ptr()
-            x8 = self.x8_copies if self.int8_activations else [None] * len(self.segments)
-            for s, qtype, copy in zip(self.segments, self.kernel_qtypes, x8):  # checked at load
+            # the segments were checked at load
+            for s, qtype, copy in zip(self.segments, self.kernel_qtypes, copies):
                 if copy is not None:
                     quant.x8_matmul_unchecked(out, rows, copy.data_ptr(), s.qtype, s.rows,
                                               s.start)

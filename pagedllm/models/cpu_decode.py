@@ -88,12 +88,10 @@ def _supports(model: nn.Module) -> bool:
 
 def _projection(p: GGUFLinear) -> fused_decode.PackedProjection:
     """The projection's segments; with int8 activations, those with quant_x8.c's layout
-    point at the projection's 8-row copy (PackedMatrix.use_x8_copies), which the fused
+    point at the projection's 8-row copy (PackedMatrix.x8_copies_in_use), which the fused
     steps of up to 64 rows read."""
     base = p.qweight.data_ptr()
-    if p.int8_activations:
-        p.use_x8_copies()
-    copies = p.x8_copies if p.int8_activations else [None] * len(p.segments)
+    copies = p.x8_copies_in_use()
     segments = [(base + s.offset, qtype, s.start, s.rows, 0 if c is None else c.data_ptr())
                 for s, qtype, c in zip(p.segments, p.kernel_qtypes, copies)]
     return fused_decode.PackedProjection(tuple(segments), p.in_features, p.out_features,

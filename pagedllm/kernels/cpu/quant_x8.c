@@ -120,8 +120,10 @@ static inline __attribute__((always_inline)) void x8_groups(int64_t QT, float *o
                                                             const uint8_t *w, int64_t g0,
                                                             int64_t g1, int64_t k) {
     const int64_t nb = k / 32, gb = x8_block_bytes(QT), scales = QT == Q4_1 ? 32 : 16;
-    const __m256i mask = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-    (void)ones; /* the int16 sums' widening, without VNNI */
+    const __m256i mask = _mm256_set1_epi8(0x0f);
+#ifndef X8_VNNI
+    const __m256i ones = _mm256_set1_epi16(1); /* the int16 sums' widening */
+#endif
     for (int64_t g = g0; g < g1; g++) {
         const uint8_t *b = w + g * nb * gb;
         __m256 acc = _mm256_setzero_ps(), corr = _mm256_setzero_ps();
@@ -245,8 +247,10 @@ static inline __attribute__((always_inline)) void x8_group_rows(int64_t QT, floa
                                                                 const uint8_t *w, int64_t g,
                                                                 int64_t k) {
     const int64_t nb = k / 32, gb = x8_block_bytes(QT), scales = QT == Q4_1 ? 32 : 16;
-    const __m256i mask = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-    (void)ones; /* the int16 sums' widening, without VNNI */
+    const __m256i mask = _mm256_set1_epi8(0x0f);
+#ifndef X8_VNNI
+    const __m256i ones = _mm256_set1_epi16(1); /* the int16 sums' widening */
+#endif
     __m256 acc[X8_MAX_ROWS];
     for (int64_t r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     const uint8_t *b = w + g * nb * gb;
