@@ -209,6 +209,30 @@ def test_a_layer_with_int8_activations_reads_its_8_row_copy_for_any_row_count(ro
     assert ((y.double() - want).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("free_bytes, copies", [(1 << 40, True), (1024, False)])
+def test_int8_layers_read_the_gguf_layout_when_ram_is_short(free_bytes, copies, monkeypatch):
+    """The worker gives int8 layers 8-row copies only where they take at most half the free
+    RAM; without them the int8 kernels read the GGUF blocks, within the same bound."""
+    from pagedllm.worker import memory
+    from pagedllm.worker.worker import Worker
+
+    if copies and not quant.x8_repackable(QT.Q4_0, 8, 32):
+        pytest.skip("no 8-row layout in this build (AVX2, F16C and FMA)")
+    monkeypatch.setattr(memory, "free_memory", lambda device: free_bytes)
+    n, k = 16, 32 * 4
+    packed_np = random_packed(QT.Q4_0, n, k, seed=3)
+    layer = GGUFLinear(k, n, make_segments([(QT.Q4_0, n)], k))
+    layer.load_packed(0, PackedWeight(QT.Q4_0, packed_np, n, k))
+    Worker._int8_activations(torch.nn.Sequential(layer))
+    assert layer.int8_activations
+    x = torch.randn(4, k, generator=torch.Generator().manual_seed(4))
+    y = layer(x)
+    assert (layer.x8_copies_in_use()[0] is not None) == copies
+    assert bool(layer.x8_copies) == copies
+    want, bound = emulated_matmul(x, packed_np, QT.Q4_0)
+    assert ((y.double() - want).abs() <= bound).all()
+
+
 def test_cpu_activations_option_is_checked():
     from pagedllm.engine_args import EngineArgs
 

@@ -122,10 +122,11 @@ class PackedMatrix(nn.Module):
         self._x8_source = 0  # the qweight address the copies were made from
         self.set_int8_activations(False)
 
-    def set_int8_activations(self, on: bool) -> None:
+    def set_int8_activations(self, on: bool, x8_layout: bool = True) -> None:
         """8-bit activations (llama.cpp's Q8_0) in the packed matmul, for the segments whose
-        type has that path (kernels/cpu/quant.py INT8_TYPES); fp32 activations elsewhere."""
-        self.int8_activations = on
+        type has that path (kernels/cpu/quant.py INT8_TYPES); fp32 activations elsewhere.
+        x8_layout: read 8-row copies of the weights (use_x8_copies), else the GGUF layout."""
+        self.int8_activations, self.x8_layout = on, x8_layout
         # the qtype each segment's kernel call passes, flag included (the per-token path)
         self.kernel_qtypes = [quant.kernel_qtype(s.qtype, on) for s in self.segments]
 
@@ -146,7 +147,7 @@ class PackedMatrix(nn.Module):
     def x8_copies_in_use(self) -> list[torch.Tensor | None]:
         """Per segment, the 8-row copy the matmuls read (made on first use), or None: fp32
         activations, or a type without that layout."""
-        if not self.int8_activations:
+        if not (self.int8_activations and self.x8_layout):
             return [None] * len(self.segments)
         self.use_x8_copies()
         return self.x8_copies

@@ -238,9 +238,7 @@ class Worker:
             raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:5])}")
         if keep_packed:
             if args.cpu_activations == "int8":
-                for m in model.modules():
-                    if is_packed(m):
-                        m.set_int8_activations(True)
+                self._int8_activations(model)
             logger.info(describe_gguf(model))
         if self.quantization == "fp8":
             logger.info("%d linears quantized to FP8 E4M3 (per-channel scales)",
@@ -250,6 +248,20 @@ class Worker:
                     self.quantization or str(self.dtype).removeprefix("torch."))
         self._prepack_cpu_linears(model)
         return model.eval()
+
+    @staticmethod
+    def _int8_activations(model: nn.Module) -> None:
+        """8-bit activations in every packed matmul. Their fast kernels read 8-row copies of
+        the weights (as many bytes again, made on first use); where free RAM could not hold
+        them with room to spare, the int8 kernels read the GGUF layout (slower, no copy)."""
+        packed = [m for m in model.modules() if is_packed(m)]
+        copies_fit = 2 * sum(m.qweight.numel() for m in packed) <= \
+            memory.free_memory(torch.device("cpu"))
+        if not copies_fit:
+            logger.info("int8 activations read the GGUF layout: too little free RAM for "
+                        "8-row copies of the weights")
+        for m in packed:
+            m.set_int8_activations(True, x8_layout=copies_fit)
 
     def _prepack_cpu_linears(self, model: nn.Module) -> None:
         """MKL-packed weights where they pay (layers/linear.py): the CPU fp32 LM head, on the
