@@ -405,6 +405,25 @@ def time_sampling(device: str, rows: int = 256, vocab: int = 151936) -> None:
         print(f"  {name:<24} {ms:8.3f} ms {logits.numel() * 4 / ms / 1e6:7.0f} GB/s")
 
 
+def time_top_p(device: str, rows: int = 256, vocab: int = 128256) -> None:
+    """The whole sampling call (layers/sampler.py) of a batch at T=0.8, top_p=0.95, with each
+    PAGEDLLM_SAMPLER kind, over flat rows (logits of std 0.5, as dummy weights give: the cut
+    deep in the bulk) and peaked ones (std 4)."""
+    from pagedllm.layers.sampler import SAMPLERS, Sampler, SamplingRow
+    from pagedllm.sampling_params import SamplingParams
+
+    print(f"\nsampling at T=0.8, top_p=0.95 ({rows} rows x {vocab} tokens, fp32 logits)")
+    params = SamplingParams(temperature=0.8, top_p=0.95)
+    batch = [SamplingRow(params, [1], []) for _ in range(rows)]
+    sampler = Sampler(eos_token_ids=[0])
+    for std in (0.5, 4.0):
+        logits = torch.randn(rows, vocab, device=device) * std
+        for kind in SAMPLERS:
+            sampler.kind = kind
+            ms = bench(lambda: sampler.sample(logits, batch).packed)
+            print(f"  std {std:<4} {kind:<10} {ms:8.3f} ms")
+
+
 def tune(device: str) -> None:
     """Sweep the module's launch constants; pick the best and set them in triton_attention.py."""
     shape = Shape()
@@ -464,6 +483,7 @@ def main(argv: list[str]) -> int:
         time_prefill(device, scale_down=scale_down, head_dim=head_dim)
         time_ops(device, tokens=8)
         time_sampling(device, rows=2, vocab=1000)
+        time_top_p(device, rows=2, vocab=300)
     elif not args.checks_only:
         time_decode(device)
         time_decode_mix(device)
@@ -471,6 +491,7 @@ def main(argv: list[str]) -> int:
         time_prefill(device)
         time_ops(device)
         time_sampling(device)
+        time_top_p(device)
         if args.tune:
             tune(device)
     return 1 if failed else 0

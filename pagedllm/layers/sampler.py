@@ -13,10 +13,12 @@ On CUDA, when every row is greedy or plain temperature sampling (one sample, no 
 or min-p), one Triton kernel reads the logits once for the tokens (the race as Gumbel-max
 with Philox noise seeded per row) and the logsumexp (kernels/triton_sampling.py).
 
-PAGEDLLM_SAMPLER=sortfree (default sort) also takes rows with top-k, top-p or min-p (one
-sample each) there: a first kernel finds each row's cut as a threshold by pivot search, no
-sort (kernels/triton_threshold.py), and the race skips the tokens below it. The sort path
-sorts the whole [rows, vocab] logits for top-k / top-p.
+PAGEDLLM_SAMPLER (default sort) picks how CUDA rows with top-k, top-p or min-p (one sample
+each) are drawn. sort: torch sorts the whole [rows, vocab] logits. sortfree: a first kernel
+finds each row's cut as a threshold by pivot search (kernels/triton_threshold.py) and the
+race skips the tokens below it. rejection: rows with top-k or min-p as sortfree; rows with
+top-p alone take the race over the whole row and then rejection rounds, a pass each, that
+keep the draw when it lies in the top-p set (kernels/triton_top_p.py).
 """
 from __future__ import annotations
 
@@ -76,7 +78,7 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
     return generator
 
 
-SAMPLERS = ("sort", "sortfree")
+SAMPLERS = ("sort", "sortfree", "rejection")
 
 
 def sampler_kind() -> str:
@@ -90,7 +92,7 @@ def sampler_kind() -> str:
 class Sampler:
     def __init__(self, eos_token_ids: list[int]) -> None:
         self.eos_token_ids = list(eos_token_ids)
-        self.sortfree = sampler_kind() == "sortfree"
+        self.kind = sampler_kind()
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[list[SampleResult]]:
         """logits: [len(rows), vocab]. Returns num_samples results per row."""
@@ -124,7 +126,7 @@ class Sampler:
         sample_rows = _sample_rows(rows, x.device)
         token_ids = lse = None
         if logits.is_cuda:
-            token_ids, lse = _sample_with_triton(logits, x, rows, self.sortfree)
+            token_ids, lse = _sample_with_triton(logits, x, rows, self.kind)
         elif _cpu_reductions(logits, x):
             token_ids, lse = _sample_with_cpu_kernels(logits, x, rows)
         if token_ids is None:
@@ -330,15 +332,16 @@ def _row_seeds(rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
 
 
 def _sample_with_triton(logits: torch.Tensor, x: torch.Tensor, rows: list[SamplingRow],
-                        sortfree: bool = False) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """kernels/triton_sampling: the tokens of x's rows when every row is plain, or (sortfree)
-    every row has one sample (None otherwise: _choose_tokens draws them), and the
-    logsumexp of the raw logits, in one pass over the logits where x is the logits."""
+                        kind: str = "sort") -> tuple[torch.Tensor | None, torch.Tensor]:
+    """kernels/triton_sampling: the tokens of x's rows when every row is plain, or (kind
+    sortfree / rejection) every row has one sample (None otherwise: _choose_tokens draws
+    them), and the logsumexp of the raw logits, in one pass over the logits where x is the
+    logits."""
     from pagedllm.kernels import triton_sampling
 
     vocab = x.shape[1]
     plain = all(_plain_row(r, vocab) for r in rows)
-    if not plain and not (sortfree and all(r.num_samples == 1 for r in rows)):
+    if not plain and not (kind != "sort" and all(r.num_samples == 1 for r in rows)):
         return None, triton_sampling.row_argmax_logsumexp(logits)[1]
     if all(r.params.sampling_type == SamplingType.GREEDY for r in rows):
         tokens, lse = triton_sampling.row_argmax_logsumexp(x)
@@ -346,12 +349,38 @@ def _sample_with_triton(logits: torch.Tensor, x: torch.Tensor, rows: list[Sampli
         inv_temp = host_to_device([0.0 if r.params.sampling_type == SamplingType.GREEDY
                                    else 1.0 / r.params.temperature for r in rows],
                                   torch.float32, x.device)
-        thresholds = None if plain else _thresholds(x, rows, inv_temp)
-        tokens, _, lse = triton_sampling.sample_rows(
-            x, inv_temp, _row_seeds(rows, x.device), thresholds=thresholds)
+        seeds = _row_seeds(rows, x.device)
+        rejected = [] if plain or kind != "rejection" else \
+            [_top_p_alone(r, vocab) for r in rows]
+        cut = [not _plain_row(r, vocab) and not (rejected and rejected[i])
+               for i, r in enumerate(rows)]
+        thresholds = _thresholds(x, rows, inv_temp, cut) if any(cut) else None
+        tokens, _, lse = triton_sampling.sample_rows(x, inv_temp, seeds, thresholds=thresholds)
+        if any(rejected):
+            tokens = _top_p_by_rejection(x, rows, rejected, inv_temp, seeds, tokens)
     if x is not logits:
         lse = triton_sampling.row_argmax_logsumexp(logits)[1]
     return tokens, lse
+
+
+def _top_p_alone(row: SamplingRow, vocab: int) -> bool:
+    """A random row whose only cut is top-p."""
+    p = row.params
+    return (p.sampling_type != SamplingType.GREEDY and p.top_p < 1.0
+            and (p.top_k <= 0 or p.top_k >= vocab) and p.min_p <= 0.0)
+
+
+def _top_p_by_rejection(x: torch.Tensor, rows: list[SamplingRow], rejected: list[bool],
+                        inv_temp: torch.Tensor, seeds: torch.Tensor, tokens: torch.Tensor
+                        ) -> torch.Tensor:
+    """The rows marked in `rejected` redrawn from their top-p set (kernels/triton_top_p);
+    the race's tokens of the other rows stay."""
+    from pagedllm.kernels import triton_top_p
+
+    top_p = [r.params.top_p if cut else 1.0 for r, cut in zip(rows, rejected)]
+    rounds = triton_top_p.rounds_for(min(top_p))
+    return triton_top_p.top_p_by_rejection(
+        x, inv_temp, seeds, host_to_device(top_p, torch.float32, x.device), tokens, rounds)
 
 
 def _cpu_reductions(logits: torch.Tensor, x: torch.Tensor) -> bool:
@@ -379,17 +408,21 @@ def _sample_with_cpu_kernels(logits: torch.Tensor, x: torch.Tensor, rows: list[S
     return tokens, lse
 
 
-def _thresholds(x: torch.Tensor, rows: list[SamplingRow], inv_temp: torch.Tensor
-                ) -> torch.Tensor:
-    """Each row's top-k / top-p / min-p cut on x / T (kernels/triton_threshold)."""
+def _thresholds(x: torch.Tensor, rows: list[SamplingRow], inv_temp: torch.Tensor,
+                cut: list[bool]) -> torch.Tensor:
+    """The top-k / top-p / min-p cut on x / T of each row marked in `cut`
+    (kernels/triton_threshold); -inf (nothing cut) for the others."""
     from pagedllm.kernels.triton_threshold import row_thresholds
 
     vocab, device = x.shape[1], x.device
-    top_k = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows]
+    top_k = [r.params.top_k if c and 0 < r.params.top_k < vocab else vocab
+             for r, c in zip(rows, cut)]
+    top_p = [r.params.top_p if c else 1.0 for r, c in zip(rows, cut)]
+    min_p = [r.params.min_p if c else 0.0 for r, c in zip(rows, cut)]
     return row_thresholds(
         x, inv_temp, host_to_device(top_k, torch.int32, device),
-        host_to_device([r.params.top_p for r in rows], torch.float32, device),
-        host_to_device([r.params.min_p for r in rows], torch.float32, device))
+        host_to_device(top_p, torch.float32, device),
+        host_to_device(min_p, torch.float32, device))
 
 
 def _choose_tokens(x: torch.Tensor, rows: list[SamplingRow],

@@ -1,6 +1,7 @@
-"""The sort-free sampler (PAGEDLLM_SAMPLER=sortfree) compiled on CUDA at Llama-3's vocabulary:
-each row's threshold keeps what the sort path keeps, seeded draws follow the renormalised
-cut distribution (chi-square over 20,000 draws in one call), greedy rows give the argmax."""
+"""The sort-free samplers (PAGEDLLM_SAMPLER=sortfree, =rejection) compiled on CUDA at
+Llama-3's vocabulary: each row's threshold keeps what the sort path keeps, seeded draws
+follow the renormalised cut distribution (chi-square over 20,000 draws in one call), greedy
+rows give the argmax."""
 from __future__ import annotations
 
 import math
@@ -10,6 +11,7 @@ import torch
 
 from pagedllm.kernels.triton_sampling import sample_rows
 from pagedllm.kernels.triton_threshold import row_thresholds
+from pagedllm.kernels.triton_top_p import rounds_for, top_p_by_rejection
 from pagedllm.layers.sampler import _random_probs
 from pagedllm.sampling_params import SamplingParams
 
@@ -86,3 +88,45 @@ def test_sortfree_draws_chi_square_and_greedy_rows():
         print(f"{p.top_k=} {p.top_p=} {p.min_p=}: {df + 1} tokens kept, chi-square {stat:.1f} "
               f"< {critical:.1f}", flush=True)
         assert stat < critical
+
+
+def chi_square_pooled(tokens: torch.Tensor, probs: torch.Tensor) -> tuple[float, float, int]:
+    """(statistic, 0.001 critical value, tokens kept) of the draws against probs, the bins
+    expecting fewer than 5 draws pooled into one."""
+    counts = torch.bincount(tokens, minlength=len(probs)).double()
+    kept = probs > 0
+    assert counts[~kept].sum() == 0, "a token outside the cut was drawn"
+    expected = probs[kept] * len(tokens)
+    observed = counts[kept]
+    small = expected < 5
+    if small.any():
+        expected = torch.cat([expected[~small], expected[small].sum()[None]])
+        observed = torch.cat([observed[~small], observed[small].sum()[None]])
+    stat = ((observed - expected) ** 2 / expected).sum().item()
+    df = len(expected) - 1
+    return stat, df * (1 - 2 / (9 * df) + 3.09 * math.sqrt(2 / (9 * df))) ** 3, int(kept.sum())
+
+
+@pytest.mark.parametrize("vocab, scale", [(4096, 3.0), (128256, 4.0)])
+def test_rejection_draws_chi_square(vocab, scale):
+    """Top-p by rejection: 5,000 seeded draws a cut, chi-square against the sort path, with
+    the rounds the sampler picks and with one round (the threshold fallback deciding)."""
+    per = 5000
+    params = [SamplingParams(temperature=0.8, top_p=0.95), SamplingParams(temperature=1.0,
+                                                                          top_p=0.5)]
+    g = torch.Generator(device="cuda").manual_seed(2)
+    base = torch.randn(len(params), vocab, device="cuda", generator=g) * scale
+    inv, _, top_p, _ = tensors(params, vocab)
+    logits = base.repeat_interleave(per, 0)
+    inv_rows, p_rows = inv.repeat_interleave(per), top_p.repeat_interleave(per)
+    for rounds in (rounds_for(0.5), 1):
+        seeds = torch.randint(0, 1 << 62, (len(params) * per,), device="cuda", generator=g)
+        first, _, _ = sample_rows(logits, inv_rows, seeds)
+        tokens = top_p_by_rejection(logits, inv_rows, seeds, p_rows, first, rounds)
+        for i, p in enumerate(params):
+            probs = _random_probs(base[i:i + 1], [p])[0].double()
+            probs /= probs.sum()
+            stat, critical, kept = chi_square_pooled(tokens.view(len(params), per)[i], probs)
+            print(f"vocab {vocab} rounds {rounds} top_p {p.top_p}: {kept} tokens kept, "
+                  f"chi-square {stat:.1f} < {critical:.1f}", flush=True)
+            assert stat < critical
