@@ -10,12 +10,13 @@
 #                  two GPUs), test-fp8-kv-cache (attention over an FP8 KV cache; greedy
 #                  agreement FP8 KV vs bf16 KV), test-sortfree-sampler (thresholds == the
 #                  sort at 128k vocab, chi-square of the draws), tp-parity (TP=2 == TP=1)
-#   sharegpt sharegpt-sortfree sharegpt-rejection sharegpt-fp8 sharegpt-fp8-rejection
-#   sharegpt-profile sharegpt-profile-rejection (not in the default list)
-#                  `pagedllm bench sharegpt` with PAGEDLLM_SAMPLER=sort, =sortfree,
-#                  =rejection, and sortfree / rejection with --quantization fp8
-#                  --kv-cache-dtype fp8; sort and rejection again with --profile (kernel
-#                  time by kind, the GPU-busy share)
+#   sharegpt sharegpt-sort sharegpt-sortfree sharegpt-fp8 sharegpt-profile (not in the
+#                  default list) `pagedllm bench sharegpt` with the default sampler
+#                  (PAGEDLLM_SAMPLER=rejection), =sort, =sortfree; the default with
+#                  --quantization fp8 --kv-cache-dtype fp8; the default again with
+#                  --profile (kernel time by kind, the top kernels, the GPU-busy share)
+#   decode-tune    the decode attention kernel's launch constants over full batches of
+#                  mixed contexts (64, 256, 1,024 sequences; not in the default list)
 #   top-p-bench    one sampling call at T=0.8, top_p=0.95, 256 rows x 128,256 tokens, with
 #                  each PAGEDLLM_SAMPLER kind (pagedllm/benchmarks/kernel_bench.py)
 #   kernel-bench   `pagedllm bench kernels`: the kernel checks again, then their timings
@@ -187,18 +188,17 @@ for w in decode-8b decode-8b-fp8; do
 done
 
 # The ShareGPT-like mix (not in the default steps): the sampler A/B and the FP8 KV cache.
+run_step decode-tune 300 "$LOGS/bench.log" $PY -c \
+    "from pagedllm.benchmarks.kernel_bench import tune_decode_mix; tune_decode_mix('cuda')"
 run_step top-p-bench 300 "$LOGS/bench.log" $PY -c \
     "from pagedllm.benchmarks.kernel_bench import time_top_p; time_top_p('cuda')"
-for w in sharegpt sharegpt-sortfree sharegpt-rejection sharegpt-fp8 sharegpt-fp8-rejection \
-         sharegpt-profile sharegpt-profile-rejection; do
-    sampler=sort extra=()
+for w in sharegpt sharegpt-sort sharegpt-sortfree sharegpt-fp8 sharegpt-profile; do
+    sampler=rejection extra=()
     case $w in
+    sharegpt-sort) sampler=sort ;;
     sharegpt-sortfree) sampler=sortfree ;;
-    sharegpt-rejection) sampler=rejection ;;
-    sharegpt-fp8) sampler=sortfree extra=(--quantization fp8 --kv-cache-dtype fp8) ;;
-    sharegpt-fp8-rejection) sampler=rejection extra=(--quantization fp8 --kv-cache-dtype fp8) ;;
+    sharegpt-fp8) extra=(--quantization fp8 --kv-cache-dtype fp8) ;;
     sharegpt-profile) extra=(--profile) ;;
-    sharegpt-profile-rejection) sampler=rejection extra=(--profile) ;;
     esac
     run_step "$w" 480 "$LOGS/bench.log" env PAGEDLLM_SAMPLER=$sampler $PY "$WORK/bench.py" \
         sharegpt --out "$WORK/$w.json" ${extra[@]+"${extra[@]}"}

@@ -204,8 +204,8 @@ def test_sampler_sortfree_path_greedy_rows_and_fallback():
     rows[1].num_samples = 2
     fallback, _ = _sample_with_triton(logits, logits, rows, kind="sortfree")
     assert fallback is None
-    sorted_path, _ = _sample_with_triton(logits, logits, sampling_rows(params))
-    assert sorted_path is None  # the default sort path leaves cut rows to torch
+    sorted_path, _ = _sample_with_triton(logits, logits, sampling_rows(params), kind="sort")
+    assert sorted_path is None  # the sort path leaves cut rows to torch
 
 
 def test_sampler_rejection_path_mixes_cuts():
@@ -230,6 +230,8 @@ def test_sampler_rejection_path_mixes_cuts():
 
 def test_sampler_switch_is_checked(monkeypatch):
     monkeypatch.delenv("PAGEDLLM_SAMPLER", raising=False)
+    assert sampler_kind() == "rejection"
+    monkeypatch.setenv("PAGEDLLM_SAMPLER", "sort")
     assert sampler_kind() == "sort"
     monkeypatch.setenv("PAGEDLLM_SAMPLER", "sortfree")
     assert sampler_kind() == "sortfree"

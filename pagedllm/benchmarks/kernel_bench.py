@@ -406,26 +406,58 @@ def time_sampling(device: str, rows: int = 256, vocab: int = 151936) -> None:
 
 
 def time_top_p(device: str, rows: int = 256, vocab: int = 128256) -> None:
-    """The whole sampling call (layers/sampler.py) of a batch at T=0.8, top_p=0.95, with each
-    PAGEDLLM_SAMPLER kind, over flat rows (logits of std 0.5, as dummy weights give: the cut
-    deep in the bulk) and peaked ones (std 4)."""
+    """The whole sampling call (layers/sampler.py) of a batch at T=0.8 with a top-p, top-k or
+    min-p cut, with each PAGEDLLM_SAMPLER kind, over flat rows (logits of std 0.5, as dummy
+    weights give: a top-p cut deep in the bulk) and peaked ones (std 4)."""
     from pagedllm.layers.sampler import SAMPLERS, Sampler, SamplingRow
     from pagedllm.sampling_params import SamplingParams
 
-    print(f"\nsampling at T=0.8, top_p=0.95 ({rows} rows x {vocab} tokens, fp32 logits)")
-    params = SamplingParams(temperature=0.8, top_p=0.95)
-    batch = [SamplingRow(params, [1], []) for _ in range(rows)]
+    print(f"\nsampling calls, ms ({rows} rows x {vocab} tokens, fp32 logits, T=0.8): "
+          + "  ".join(SAMPLERS))
     sampler = Sampler(eos_token_ids=[0])
-    for std in (0.5, 4.0):
-        logits = torch.randn(rows, vocab, device=device) * std
-        for kind in SAMPLERS:
-            sampler.kind = kind
-            ms = bench(lambda: sampler.sample(logits, batch).packed)
-            print(f"  std {std:<4} {kind:<10} {ms:8.3f} ms")
+    cuts = [dict(top_p=0.95), dict(top_k=50), dict(min_p=0.05), dict(top_k=50, top_p=0.9)]
+    for cut in cuts:
+        batch = [SamplingRow(SamplingParams(temperature=0.8, **cut), [1], []) for _ in range(rows)]
+        for std in (0.5, 4.0):
+            logits = torch.randn(rows, vocab, device=device) * std
+            times = []
+            for kind in SAMPLERS:
+                sampler.kind = kind
+                times.append(bench(lambda: sampler.sample(logits, batch).packed))
+            label = ", ".join(f"{k}={v}" for k, v in cut.items())
+            print(f"  {label:<20} std {std:<4} " + "  ".join(f"{t:8.3f}" for t in times))
+
+
+def tune_decode_mix(device: str, batches=(64, 256, 1024)) -> None:
+    """The decode kernel's launch constants over full batches of mixed contexts (the
+    ShareGPT-like mix's decode steps): ms per call at each batch size."""
+    shape = Shape()
+    batches = [build_batch(lens, [1] * len(lens), shape, device, poison=False)
+               for lens in (mix_lengths(n) for n in batches)]
+    print("\ndecode launch constants over mixed contexts (ms at " +
+          ", ".join(f"{b.meta.num_seqs} seqs" for b in batches) + ")")
+    saved = (triton_attention.DECODE_BLOCK_N, triton_attention.DECODE_NUM_WARPS,
+             triton_attention.DECODE_NUM_STAGES)
+    try:
+        for block_n in (16, 32, 64, 128):
+            for warps in (2, 4, 8):
+                for stages in (1, 2, 3, 4):
+                    (triton_attention.DECODE_BLOCK_N, triton_attention.DECODE_NUM_WARPS,
+                     triton_attention.DECODE_NUM_STAGES) = block_n, warps, stages
+                    try:
+                        times = "  ".join(f"{bench(lambda b=b: triton_paged_attention(b.query, b.kv_cache, b.meta, b.scale)):.3f}"
+                                          for b in batches)
+                    except Exception as e:  # e.g. out of shared memory for this tile
+                        times = f"{type(e).__name__}: {str(e)[:60]}"
+                    print(f"  BLOCK_N={block_n:<4} warps={warps} stages={stages}: {times}")
+    finally:
+        (triton_attention.DECODE_BLOCK_N, triton_attention.DECODE_NUM_WARPS,
+         triton_attention.DECODE_NUM_STAGES) = saved
 
 
 def tune(device: str) -> None:
     """Sweep the module's launch constants; pick the best and set them in triton_attention.py."""
+    tune_decode_mix(device)
     shape = Shape()
     print("\ntuning (ms; lower is better)")
     decode = [build_batch([c] * n, [1] * n, shape, device, poison=False) for n, c in ((1, 8192), (32, 4096))]

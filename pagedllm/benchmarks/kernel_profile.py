@@ -23,6 +23,9 @@ KINDS: tuple[tuple[str, str], ...] = (
 )
 
 
+TOP = 30
+
+
 def kind_of(kernel: str) -> str:
     name = kernel.lower()
     return next(kind for kind, pattern in KINDS if re.search(pattern, name))
@@ -31,7 +34,8 @@ def kind_of(kernel: str) -> str:
 @contextmanager
 def kernel_profile(enabled: bool) -> Iterator[dict[str, float]]:
     """Record the CUDA kernels run inside; on exit the yielded dict holds seconds per kind
-    (empty when not enabled or nothing ran on CUDA)."""
+    (empty when not enabled or nothing ran on CUDA), and the TOP kernels by time are
+    printed (name, calls, seconds): what a kind is made of."""
     seconds: dict[str, float] = {}
     if not enabled:
         yield seconds
@@ -42,12 +46,17 @@ def kernel_profile(enabled: bool) -> Iterator[dict[str, float]]:
         yield seconds
     for kind, _ in KINDS:
         seconds[kind] = 0.0
+    kernels = []
     for event in prof.key_averages():
         micros = getattr(event, "device_time_total", None)
         if micros is None:
             micros = getattr(event, "cuda_time_total", 0.0)
         if micros > 0:
             seconds[kind_of(event.key)] += micros / 1e6
+            kernels.append((micros / 1e6, event.count, event.key))
+    print(f"top {TOP} kernels by time (seconds, calls, name):")
+    for secs, calls, name in sorted(kernels, reverse=True)[:TOP]:
+        print(f"  {secs:8.3f} {calls:8d}  {name[:110]}")
 
 
 def print_table(seconds: dict[str, float], wall_s: float) -> float:

@@ -708,7 +708,7 @@ def bench_sharegpt(args: argparse.Namespace) -> Report:
         "output_tokens_per_s": result.output_tokens_per_s,
         "total_tokens_per_s": result.extra["total_tokens_per_s"],
         "num_preemptions": preemptions,
-        "sampler": os.environ.get("PAGEDLLM_SAMPLER", "sort"),
+        "sampler": os.environ.get("PAGEDLLM_SAMPLER", "rejection"),
     }
     if kernels:
         summary["kernel_seconds"] = kernels

@@ -42,6 +42,7 @@ _LOG2E_K = tl.constexpr(LOG2E)
 # stages. Module constants so `pagedllm bench kernels --tune` and the tests can change them.
 DECODE_BLOCK_N = 64
 DECODE_NUM_WARPS = 4
+DECODE_NUM_STAGES = 2
 PREFILL_BLOCK_M = 64
 PREFILL_BLOCK_N = 64
 PREFILL_NUM_WARPS = 4
@@ -488,7 +489,7 @@ def _decode(out, query, kv_cache, meta, alibi_arg, num_splits, common) -> None:
         out, part_m, part_l, part_acc,
         query, kv_cache, meta.block_tables, meta.seq_lens, alibi_arg,
         num_heads=num_heads, min_tiles=min_tiles, GROUP_PAD=group_pad, BLOCK_N=DECODE_BLOCK_N,
-        NUM_SPLITS=num_splits, num_warps=DECODE_NUM_WARPS, num_stages=2, **common,
+        NUM_SPLITS=num_splits, num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES, **common,
         **triton_pdl.launch_kwargs(query.device),
     )
     if num_splits > 1:

@@ -72,8 +72,7 @@ def _check_kernel(x_ptr, inv_temp_ptr, top_p_ptr, state_ptr, cand_ptr, lo_ptr,
             above = tl.sum(As * w, 0)
             accept = (above < tl.load(top_p_ptr + row) * total) | (above == 0.0)
             tl.store(state_ptr + row, tl.where(accept, 0, 2))
-            if not accept:
-                tl.store(lo_ptr + row, cand)
+            tl.store(lo_ptr + row, cand, mask=accept == 0)
             tl.atomic_xchg(count_ptr + row, 0)
 
 
@@ -129,7 +128,10 @@ def _race_kernel(x_ptr, inv_temp_ptr, seed_ptr, state_ptr, lo_ptr, token_ptr, ca
             if drawn < V:
                 tl.store(token_ptr + row, drawn.to(tl.int64))
                 tl.store(cand_ptr + row, tl.sum(tl.where(c == best, zs, 0.0), 0))
-                tl.store(state_ptr + row, 0 if FINAL else 1)
+                if FINAL:
+                    tl.store(state_ptr + row, 0)
+                else:
+                    tl.store(state_ptr + row, 1)
             tl.atomic_xchg(count_ptr + row, 0)
 
 

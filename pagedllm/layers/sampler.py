@@ -13,12 +13,12 @@ On CUDA, when every row is greedy or plain temperature sampling (one sample, no 
 or min-p), one Triton kernel reads the logits once for the tokens (the race as Gumbel-max
 with Philox noise seeded per row) and the logsumexp (kernels/triton_sampling.py).
 
-PAGEDLLM_SAMPLER (default sort) picks how CUDA rows with top-k, top-p or min-p (one sample
-each) are drawn. sort: torch sorts the whole [rows, vocab] logits. sortfree: a first kernel
+PAGEDLLM_SAMPLER picks how CUDA rows with top-k, top-p or min-p (one sample each) are drawn.
+rejection (the default): rows with top-p alone take the race over the whole row, then
+rejection rounds, a pass each, that keep the draw once it lies in the top-p set
+(kernels/triton_top_p.py); rows with top-k or min-p as sortfree. sortfree: a first kernel
 finds each row's cut as a threshold by pivot search (kernels/triton_threshold.py) and the
-race skips the tokens below it. rejection: rows with top-k or min-p as sortfree; rows with
-top-p alone take the race over the whole row and then rejection rounds, a pass each, that
-keep the draw when it lies in the top-p set (kernels/triton_top_p.py).
+race skips the tokens below it. sort: torch sorts the whole [rows, vocab] logits.
 """
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ SAMPLERS = ("sort", "sortfree", "rejection")
 
 def sampler_kind() -> str:
     """PAGEDLLM_SAMPLER: how CUDA rows with top-k / top-p / min-p are drawn."""
-    kind = os.environ.get("PAGEDLLM_SAMPLER", "sort")
+    kind = os.environ.get("PAGEDLLM_SAMPLER", "rejection")
     if kind not in SAMPLERS:
         raise ValueError(f"PAGEDLLM_SAMPLER must be one of {', '.join(SAMPLERS)}, got {kind!r}")
     return kind
@@ -332,7 +332,7 @@ def _row_seeds(rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
 
 
 def _sample_with_triton(logits: torch.Tensor, x: torch.Tensor, rows: list[SamplingRow],
-                        kind: str = "sort") -> tuple[torch.Tensor | None, torch.Tensor]:
+                        kind: str = "rejection") -> tuple[torch.Tensor | None, torch.Tensor]:
     """kernels/triton_sampling: the tokens of x's rows when every row is plain, or (kind
     sortfree / rejection) every row has one sample (None otherwise: _choose_tokens draws
     them), and the logsumexp of the raw logits, in one pass over the logits where x is the
