@@ -598,7 +598,8 @@ def test_sampler_triton_path_rows():
     """layers/sampler's CUDA path (run here on CPU tensors): greedy and plain-temperature rows
     come from the kernel, a seeded row's token from its seed alone, the logsumexp from the
     raw logits even when penalties changed the logits the token is chosen from; a top-p row
-    sends the tokens back to torch's path."""
+    is drawn there too by default (rejection), and sends the tokens back to torch's path
+    with PAGEDLLM_SAMPLER=sort."""
     from pagedllm.layers.sampler import SamplingRow, _sample_with_triton, make_generator
     from pagedllm.sampling_params import SamplingParams
 
@@ -621,7 +622,9 @@ def test_sampler_triton_path_rows():
     moved, lse_raw = _sample_with_triton(logits, x, rows())
     assert moved[0] != tokens[0] and moved[0] == x[0].argmax()
     torch.testing.assert_close(lse_raw, lse)
-    fallback, lse_fallback = _sample_with_triton(logits, logits, rows(top_p=0.9))
+    drawn, _ = _sample_with_triton(logits, logits, rows(top_p=0.9))
+    assert drawn is not None and drawn[0] == tokens[0]
+    fallback, lse_fallback = _sample_with_triton(logits, logits, rows(top_p=0.9), kind="sort")
     assert fallback is None
     torch.testing.assert_close(lse_fallback, lse)
 
