@@ -194,6 +194,27 @@ def test_decode_sliding_window_and_alibi(num_splits, block_n, variant, monkeypat
     run_and_compare(batch, num_splits=num_splits, **kwargs)
 
 
+@pytest.mark.parametrize("sliding_window", [None, 8], ids=["full", "window"])
+def test_decode_last_split_merges_and_resets_the_counters(sliding_window, monkeypatch):
+    """The last split program of a (sequence, KV head) to finish merges the splits. With
+    4 splits of 16-key tiles, the contexts have 1, 2 or 3 splits with keys (the window of 8
+    leaves 40 keys one tile); a sequence of one split writes directly and never counts, the
+    splits without keys return uncounted. So every counter is back at zero after a call,
+    and a second call (as a CUDA graph replays) gives the same output."""
+    monkeypatch.setattr(triton_attention, "DECODE_BLOCK_N", 16)
+    batch = make_batch([1, 17, 40, 80, 45], [1] * 5, num_heads=8, num_kv_heads=2)
+    run_and_compare(batch, num_splits=4, sliding_window=sliding_window)
+    count = counters("paged_decode", torch.device(DEVICE), 1)
+    assert not count.any()
+
+    def call():
+        return triton_paged_attention(batch.query, batch.kv_cache, batch.meta, batch.scale,
+                                      sliding_window=sliding_window, num_splits=4)
+
+    assert torch.equal(call(), call())
+    assert not count.any()
+
+
 def test_decode_default_splits_long_context():
     batch = make_batch([300, 7], [1, 1], num_heads=4, num_kv_heads=2, head_dim=16, block_size=32)
     assert choose_num_splits(batch.meta.max_seq_len, 2, 2, batch.query.device) > 1
@@ -223,7 +244,7 @@ def balance(monkeypatch):
 @pytest.mark.parametrize("num_heads", [2, 4, 8, 16], ids=["group1", "group2", "group4", "group8"])
 def test_decode_balance_cuts_long_contexts_only(num_heads, balance):
     cpu = torch.device("cpu")
-    assert triton_attention.min_split_tiles(8, 2, cpu) == 2
+    assert triton_attention.min_split_tiles(8, 2, cpu, 16) == 2
     assert choose_num_splits(200, 8, 2, cpu) == 7  # 200 keys / 32 per slice
     batch = make_batch(BALANCE_SEQ_LENS, [1] * 8, num_heads=num_heads, num_kv_heads=2)
     run_and_compare(batch)
@@ -244,7 +265,7 @@ def test_decode_balance_sliding_window_and_alibi(variant, balance):
 
 def test_decode_balance_leaves_small_batches_to_fill(balance):
     cpu = torch.device("cpu")
-    assert triton_attention.min_split_tiles(1, 2, cpu) == 1
+    assert triton_attention.min_split_tiles(1, 2, cpu, 16) == 1
     # One sequence x 8 KV heads on 8 SMs: two splits fill the GPU twice over, as under "fill".
     assert choose_num_splits(8192, 1, 8, cpu) == 2
     batch = make_batch([200, 3], [1, 1], num_heads=4, num_kv_heads=2)

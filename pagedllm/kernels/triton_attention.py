@@ -6,12 +6,14 @@ through the block table):
 - Decode (every sequence has one query token): flash-decoding. The grid is
   (sequence, KV head, split). A program serves all query heads that share its KV head, so
   each K/V tile is read once per group (GQA), and reduces one slice of the context into a
-  partial (max, sum, acc). A second small kernel merges the splits. Splitting the context
-  keeps the GPU busy when there are few sequences with long contexts. A slice holds at
-  least `min_tiles` key tiles: a sequence shorter than that is one slice, written straight
-  to the output, and the programs of slices past a sequence's end return at once. With a
-  floor of a few hundred keys, a big batch of mixed lengths (policy "balance") is cut into
-  programs of similar work, so the longest contexts no longer make the kernel's tail.
+  partial (max, sum, acc). The last split program of a (sequence, KV head) to finish merges
+  the partials of all its splits (a counter per pair, kernels/triton_counters.py), so decode
+  is one launch. Splitting the context keeps the GPU busy when there are few sequences with
+  long contexts. A slice holds at least `min_tiles` key tiles: a sequence shorter than that
+  is one slice, written straight to the output, and the programs of slices past a
+  sequence's end return at once. With a floor of a few hundred keys, a big batch of mixed
+  lengths (policy "balance") is cut into programs of similar work, so the longest contexts
+  no longer make the kernel's tail.
 - Everything else (prefill, chunked prefill with cached context, mixed batches): a
   flash-attention style kernel over (sequence, query tile, KV head). A tile's rows are
   (query token, head of the GQA group) pairs, so K/V is again read once per group. Causal
@@ -33,6 +35,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from pagedllm.kernels import triton_pdl
 from pagedllm.kernels.metadata import PagedAttentionInputMetadata
+from pagedllm.kernels.triton_counters import counters
 
 LOG2E = 1.4426950408889634
 # Compiled kernels may read only constexpr globals (the interpreter does not enforce this).
@@ -40,7 +43,9 @@ _LOG2E_K = tl.constexpr(LOG2E)
 
 # Launch configuration: keys per inner step, query rows per prefill tile, warps, pipeline
 # stages. Module constants so `pagedllm bench kernels --tune` and the tests can change them.
-DECODE_BLOCK_N = 64
+# Decode takes DECODE_BLOCK_N keys a step up to head_dim 128 and at most 64 above it (the
+# K and V tiles of every stage must fit in shared memory).
+DECODE_BLOCK_N = 128
 DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 2
 PREFILL_BLOCK_M = 64
@@ -109,7 +114,8 @@ def _split_range(seq_len, sliding_window, min_tiles,
                  BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr):
     """(first key, first tile, tiles per split, splits with keys) of one sequence's context.
 
-    The decode and merge kernels both call this, so they agree on which splits hold keys.
+    Every program of a sequence computes the same, so they agree on which splits hold keys
+    and how many of them count towards the merge.
     """
     kv_lo = 0
     if USE_WINDOW:
@@ -121,8 +127,41 @@ def _split_range(seq_len, sliding_window, min_tiles,
 
 
 @triton.jit
+def _merge_partials(out_rows, part_m_ptr, part_l_ptr, part_acc_ptr, part, num_active, row_valid,
+                    dims, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    NUM_SPLITS: tl.constexpr):
+    """Write the output rows of one (sequence, KV head) from the partials of its first
+    num_active splits: sum(acc * w) / sum(l * w), w = exp2(m - max m).
+
+    Other programs wrote most partials, so they are read from L2 (.cg: L1 is not coherent
+    across SMs), and in split order, so the result does not depend on which program merges.
+    The loops unroll over NUM_SPLITS, so the loads of all splits can be in flight together.
+    """
+    # The rows of split s, as tl.where: the interpreter makes `row_valid & scalar` int32.
+    m_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        valid = tl.where(num_active > s, row_valid, False)
+        m = tl.load(part_m_ptr + part + s, mask=valid, other=float("-inf"), cache_modifier=".cg")
+        m_max = tl.maximum(m_max, m)
+    m_max = tl.where(row_valid, m_max, 0.0)  # padding rows: no -inf - -inf
+    num = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    den = tl.zeros([GROUP_PAD], tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        valid = tl.where(num_active > s, row_valid, False)
+        m = tl.load(part_m_ptr + part + s, mask=valid, other=float("-inf"), cache_modifier=".cg")
+        l = tl.load(part_l_ptr + part + s, mask=valid, other=0.0, cache_modifier=".cg")
+        acc = tl.load(part_acc_ptr + (part + s)[:, None] * HEAD_DIM + dims[None, :],
+                      mask=valid[:, None], other=0.0, cache_modifier=".cg")
+        weight = tl.exp2(m - m_max)
+        num += acc * weight[:, None]
+        den += l * weight
+    out = num / tl.where(row_valid, den, 1.0)[:, None]
+    tl.store(out_rows, out.to(out_rows.dtype.element_ty), mask=row_valid[:, None])
+
+
+@triton.jit
 def _paged_decode_kernel(
-    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, count_ptr,
     q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, alibi_ptr,
     qk_scale, sliding_window, num_heads, min_tiles,
     stride_qt, stride_qh, stride_ot, stride_oh,
@@ -148,7 +187,7 @@ def _paged_decode_kernel(
     kv_lo, first_tile, num_tiles, tiles_per_split, num_active = _split_range(
         seq_len, sliding_window, min_tiles, BLOCK_N, NUM_SPLITS, USE_WINDOW)
     if split >= num_active:
-        return  # past this sequence's context: the merge reads only the first num_active
+        return  # past this sequence's context: neither counted nor merged
 
     rows = tl.arange(0, GROUP_PAD)
     row_valid = rows < GROUP
@@ -186,47 +225,26 @@ def _paged_decode_kernel(
             q, k, v, kv_mask[None, :], bias, m_i, l_i, acc, qk_scale, USE_ALIBI, DOT_PRECISION,
         )
 
-    if num_active == 1:  # the whole context in this program: the merge skips this sequence
+    out_rows = out_ptr + seq * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+    if num_active == 1:  # the whole context in this program: no partials, no count
         out = acc / tl.where(row_valid, l_i, 1.0)[:, None]
-        tl.store(
-            out_ptr + seq * stride_ot + heads[:, None] * stride_oh + dims[None, :],
-            out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None],
-        )
+        tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
     else:
-        part = (seq * num_heads + heads) * NUM_SPLITS + split
-        tl.store(part_m_ptr + part, m_i, mask=row_valid)
-        tl.store(part_l_ptr + part, l_i, mask=row_valid)
-        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_valid[:, None])
-
-
-@triton.jit
-def _merge_splits_kernel(
-    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-    seq_lens_ptr, sliding_window, min_tiles, num_heads, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr, USE_WINDOW: tl.constexpr, PDL: tl.constexpr,
-):
-    if PDL:  # before any read of an earlier kernel's output, any write (kernels/triton_pdl.py)
-        gdc_wait()
-        gdc_launch_dependents()
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    _, _, _, _, num_active = _split_range(
-        seq_len, sliding_window, min_tiles, BLOCK_N, NUM_SPLITS, USE_WINDOW)
-    if num_active == 1:
-        return  # the decode kernel wrote this sequence's output
-    splits = tl.arange(0, SPLITS_PAD)
-    split_mask = splits < num_active
-    dims = tl.arange(0, HEAD_DIM)
-    part = (seq * num_heads + head) * NUM_SPLITS + splits
-
-    m = tl.load(part_m_ptr + part, mask=split_mask, other=float("-inf"))
-    l = tl.load(part_l_ptr + part, mask=split_mask, other=0.0)
-    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=split_mask[:, None], other=0.0)
-    weight = tl.exp2(m - tl.max(m, 0))
-    out = tl.sum(acc * weight[:, None], 0) / tl.sum(l * weight, 0)
-    tl.store(out_ptr + seq * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
+        part = (seq * num_heads + heads) * NUM_SPLITS  # split 0's partial of each row
+        tl.store(part_m_ptr + part + split, m_i, mask=row_valid)
+        tl.store(part_l_ptr + part + split, l_i, mask=row_valid)
+        tl.store(part_acc_ptr + (part + split)[:, None] * HEAD_DIM + dims[None, :], acc,
+                 mask=row_valid[:, None])
+        # Every thread's partials are stored before one thread counts this split done
+        # (release). Exactly the num_active splits with keys count, so the one that sees
+        # num_active - 1 is the last: it merges, then resets the counter for the next launch.
+        tl.debug_barrier()
+        count = count_ptr + seq * tl.num_programs(1) + kv_head
+        done = tl.atomic_add(count, 1, sem="acq_rel")
+        if done == num_active - 1:
+            _merge_partials(out_rows, part_m_ptr, part_l_ptr, part_acc_ptr, part, num_active,
+                            row_valid, dims, GROUP_PAD, HEAD_DIM, NUM_SPLITS)
+            tl.atomic_xchg(count, 0)
 
 
 # --------------------------------------------------------------------------------------
@@ -339,11 +357,17 @@ def _balances(num_seqs: int, num_kv_heads: int, device: torch.device) -> bool:
     return DECODE_SPLIT == "balance" and num_seqs * num_kv_heads >= 2 * _num_sms(device)
 
 
-def min_split_tiles(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+def decode_block_n(head_dim: int) -> int:
+    """Keys per inner step of the decode kernel."""
+    return DECODE_BLOCK_N if head_dim <= 128 else min(DECODE_BLOCK_N, 64)
+
+
+def min_split_tiles(num_seqs: int, num_kv_heads: int, device: torch.device,
+                    block_n: int) -> int:
     """The fewest key tiles a decode split takes: BALANCE_SPLIT_TOKENS' worth when balancing,
     else one (a few sequences' contexts are spread over as many programs as asked)."""
     if _balances(num_seqs, num_kv_heads, device):
-        return max(1, BALANCE_SPLIT_TOKENS // DECODE_BLOCK_N)
+        return max(1, BALANCE_SPLIT_TOKENS // block_n)
     return 1
 
 
@@ -478,25 +502,20 @@ def _decode(out, query, kv_cache, meta, alibi_arg, num_splits, common) -> None:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
 
     if num_splits == 1:
-        part_m = part_l = part_acc = out  # unused: the kernel writes the output directly
+        part_m = part_l = part_acc = count = out  # unused: the kernel writes the output directly
     else:
         part_m, part_l, part_acc = _partial_buffers(num_seqs, num_heads, num_splits, head_dim, query.device)
+        # One per (sequence, KV head), zero between launches: the merging program resets its own.
+        count = counters("paged_decode", query.device, num_seqs * num_kv_heads)
 
     group_pad = max(16, triton.next_power_of_2(common["GROUP"]))
     # A function of the batch size only, as num_splits is: a CUDA graph replays it fixed.
-    min_tiles = min_split_tiles(num_seqs, num_kv_heads, query.device)
+    block_n = decode_block_n(head_dim)
+    min_tiles = min_split_tiles(num_seqs, num_kv_heads, query.device, block_n)
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        out, part_m, part_l, part_acc,
+        out, part_m, part_l, part_acc, count,
         query, kv_cache, meta.block_tables, meta.seq_lens, alibi_arg,
-        num_heads=num_heads, min_tiles=min_tiles, GROUP_PAD=group_pad, BLOCK_N=DECODE_BLOCK_N,
+        num_heads=num_heads, min_tiles=min_tiles, GROUP_PAD=group_pad, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES, **common,
         **triton_pdl.launch_kwargs(query.device),
     )
-    if num_splits > 1:
-        _merge_splits_kernel[(num_seqs, num_heads)](
-            out, part_m, part_l, part_acc, meta.seq_lens, common["sliding_window"], min_tiles,
-            num_heads, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_N=DECODE_BLOCK_N, NUM_SPLITS=num_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_splits), USE_WINDOW=common["USE_WINDOW"],
-            num_warps=4, **triton_pdl.launch_kwargs(query.device),
-        )

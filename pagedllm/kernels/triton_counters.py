@@ -1,6 +1,7 @@
 """Counters for Triton kernels whose last program to finish a slice completes the reduction
-(triton_gemv's split-K, triton_sampling's vocabulary chunks): one int32 per slice group,
-zero between launches because that last program resets its own.
+(triton_gemv's split-K, triton_sampling's vocabulary chunks, triton_attention's decode
+splits): one int32 per slice group, zero between launches because that last program resets
+its own.
 
 Each kernel gets its own buffer per device, allocated at its first (eager) call: never inside
 a CUDA graph capture (the model's profiling run and each bucket's warm-up come first).
