@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `make gpu-check`: the CUDA path end to end, on a machine with an NVIDIA GPU.
 #
-#   kernels        tests/test_kernels.py on real CUDA (not the interpreter)
+#   kernels        tests/test_kernels.py and tests/test_norm_fold.py on real CUDA (not the
+#                  interpreter)
 #   gpu-tests      `pytest -m cuda tests/gpu`: every CUDA test (docs/development.md lists
 #                  them). One file each, to split the run over calls (not in the default
 #                  list): test-parity (CUDA fp32 == CPU fp32, graphs == eager, async == sync,
@@ -32,6 +33,9 @@
 #                  decode-8b (bf16, then --quantization fp8) with PAGEDLLM_PDL=0: the
 #                  decode kernels without programmatic dependent launch (kernels/triton_pdl.py;
 #                  not in the default list: compare with decode-8b / decode-8b-fp8)
+#   decode-8b-fold decode-8b-fp8-fold
+#                  the same with PAGEDLLM_FOLD_NORMS=1: the norms and SiLU of a one-row step
+#                  folded into its GEMVs (layers/norm_fold.py; not in the default list)
 #   tp-parity tp-decode-8b tp-throughput-8b tp-allreduce
 #                  tensor parallelism (not in the default list): greedy fp32 TP=2 == TP=1 on
 #                  a random 30-layer Llama (tests/gpu/test_tp.py); decode-8b / throughput-8b at
@@ -143,7 +147,7 @@ EOF
 PEERS=${GPU_CHECK_PEERS:-nano}
 
 PYTEST=($PY -m pytest -q -p no:cacheprovider -rP)  # -rP: the tests' printed reports too
-run_step kernels 300 "$LOGS/kernels.log" "${PYTEST[@]}" tests/test_kernels.py
+run_step kernels 300 "$LOGS/kernels.log" "${PYTEST[@]}" tests/test_kernels.py tests/test_norm_fold.py
 run_step gpu-tests 2400 "$LOGS/gpu_tests.log" "${PYTEST[@]}" -m cuda tests/gpu
 for t in parity kernel-checks fp8 device-map fp8-kv-cache sortfree-sampler; do
     run_step "test-$t" 900 "$LOGS/gpu_tests.log" "${PYTEST[@]}" -m cuda "tests/gpu/test_${t//-/_}.py"
@@ -178,13 +182,16 @@ for w in decode-8b throughput-8b; do
         --out "$WORK/$w-fp8.json" --no-peer
     [ -f "$WORK/$w-fp8.json" ] && { echo "-- $w-fp8.json"; cat "$WORK/$w-fp8.json"; } >>"$LOGS/bench.log"
 done
-# Programmatic dependent launch off (not in the default steps): the A/B against the above.
-for w in decode-8b decode-8b-fp8; do
-    extra=()
-    [ "$w" = decode-8b-fp8 ] && extra=(--quantization fp8)
-    run_step "$w-nopdl" 480 "$LOGS/bench.log" env PAGEDLLM_PDL=0 $PY "$WORK/bench.py" decode-8b \
-        --out "$WORK/$w-nopdl.json" --no-peer ${extra[@]+"${extra[@]}"}
-    [ -f "$WORK/$w-nopdl.json" ] && { echo "-- $w-nopdl.json"; cat "$WORK/$w-nopdl.json"; } >>"$LOGS/bench.log"
+# Programmatic dependent launch off, the norms folded (not in the default steps): the A/Bs
+# against the above. Each entry: step suffix, then the environment it sets.
+for ab in nopdl:PAGEDLLM_PDL=0 fold:PAGEDLLM_FOLD_NORMS=1; do
+    for w in decode-8b decode-8b-fp8; do
+        extra=() name=$w-${ab%%:*}
+        [ "$w" = decode-8b-fp8 ] && extra=(--quantization fp8)
+        run_step "$name" 480 "$LOGS/bench.log" env "${ab#*:}" $PY "$WORK/bench.py" decode-8b \
+            --out "$WORK/$name.json" --no-peer ${extra[@]+"${extra[@]}"}
+        [ -f "$WORK/$name.json" ] && { echo "-- $name.json"; cat "$WORK/$name.json"; } >>"$LOGS/bench.log"
+    done
 done
 
 # The ShareGPT-like mix (not in the default steps): the sampler A/B and the FP8 KV cache.
@@ -254,7 +261,7 @@ run_step tp-allreduce 600 "$LOGS/tp.log" $TPRUN "$WORK/bench.py" tp-allreduce --
     if [ -f "$LOGS/bench.log" ]; then
         echo
         grep -E "^== |KV budget|KV cache:|CUDA graph|Traceback|Error" "$LOGS/bench.log" | cut -c1-160
-        for w in $BENCHES decode-8b-fp8 throughput-8b-fp8 decode-8b-nopdl decode-8b-fp8-nopdl sharegpt sharegpt-sortfree \
+        for w in $BENCHES decode-8b-fp8 throughput-8b-fp8 decode-8b-nopdl decode-8b-fp8-nopdl decode-8b-fold decode-8b-fp8-fold sharegpt sharegpt-sortfree \
                 sharegpt-fp8 sharegpt-profile tp-decode-8b tp-throughput-8b $SPEC_STEPS; do  # each table follows "results:"
             sed -n "/^results: .*\/$w.json/,/^== $w:/p" "$LOGS/bench.log" | sed '1s/^/\n/'
         done

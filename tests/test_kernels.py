@@ -28,7 +28,7 @@ from pagedllm.kernels.triton_ops import (  # noqa: E402
 )
 from pagedllm.kernels.metadata import PagedAttentionInputMetadata  # noqa: E402
 from pagedllm.kernels.triton_counters import counters  # noqa: E402
-from pagedllm.kernels.triton_gemv import skinny_matmul  # noqa: E402
+from pagedllm.kernels.triton_gemv import RmsInput, folded_matmul, skinny_matmul  # noqa: E402
 from pagedllm.kernels.triton_sampling import row_argmax_logsumexp  # noqa: E402
 
 skip_unless_runnable(triton_attention._paged_decode_kernel)
@@ -514,6 +514,93 @@ def test_skinny_matmul_matches_fp64(m, n, k, split, weight_type):
     again = skinny_matmul(x.to(DEVICE), w.to(DEVICE),
                           None if scale is None else scale.to(DEVICE), split=split)
     assert torch.equal(again, got)
+
+
+# hidden not a multiple of BLOCK_N (masked columns must add nothing to the sums of h^2);
+# split 3: the producer's blocks finish in the last slice's program, and the consumer
+# (K = 1000) is split too, so its 1/rms is applied once, after the slices' sum.
+@pytest.mark.parametrize("hidden, k, n, split", [(136, 200, 40, None), (1000, 1212, 130, 3)])
+@pytest.mark.parametrize("weight_type", ["fp16", "fp8"])
+def test_folded_norms_match_the_norm_between_two_gemvs(hidden, k, n, split, weight_type):
+    """An o_proj-like GEMV adding the residual and writing the next norm's input, then a
+    gate_up-like GEMV reading it == h = x . W1^T + r, then rms_norm(h) * g . W2^T."""
+    g = torch.Generator().manual_seed(hidden + n)
+    x = torch.randn(1, k, generator=g).to(torch.float16)
+    r = torch.randn(1, hidden, generator=g).to(torch.float16)
+    gamma = (1 + 0.5 * torch.randn(hidden, generator=g)).to(torch.float16)
+    if weight_type == "fp8":
+        (w1, s1), (w2, s2) = _fp8_weight(hidden, k, g), _fp8_weight(n, hidden, g)
+        d1, d2 = w1.double() * s1.double()[:, None], w2.double() * s2.double()[:, None]
+        s1, s2 = s1.to(DEVICE), s2.to(DEVICE)
+    else:
+        w1, w2 = (torch.randn(n_, k_, generator=g).to(torch.float16)
+                  for n_, k_ in ((hidden, k), (n, hidden)))
+        d1, d2, s1, s2 = w1.double(), w2.double(), None, None
+    eps = 1e-5
+    h, rms = folded_matmul(x.to(DEVICE), w1.to(DEVICE), s1, residual=r.to(DEVICE),
+                           next_norm=(gamma.to(DEVICE), eps), split=split)
+    h = h.cpu().double()
+    want_h = x.double() @ d1.T + r.double()
+    assert ((h - want_h).abs() <= want_h.abs() * 2**-10 + 1e-5 * (x.double().abs() @ d1.abs().T)).all()
+    # the next norm's input is the stored (rounded) h: its sums of h^2 and h * g
+    assert torch.allclose(rms.ss.cpu().double().sum(), (h * h).sum(), rtol=1e-5)
+    assert torch.allclose(rms.x.cpu().double(), h * gamma.double(), rtol=2**-10, atol=1e-6)
+    assert rms.eps == eps
+    y, none = folded_matmul(rms, w2.to(DEVICE), s2, split=split)
+    assert none is None and y.shape == (1, n)
+    normed = h * torch.rsqrt((h * h).mean() + eps) * gamma.double()
+    want = normed @ d2.T
+    tol = want.abs() * 2**-9 + 2**-9 * (normed.abs() @ d2.abs().T)
+    assert ((y.cpu().double() - want).abs() <= tol).all()
+    assert not counters("skinny_matmul", torch.device(DEVICE), 1).any()
+    # the residual alone: no next norm's input
+    h2, none = folded_matmul(x.to(DEVICE), w1.to(DEVICE), s1, residual=r.to(DEVICE), split=split)
+    assert none is None and torch.equal(h2.cpu().double(), h)
+
+
+@pytest.mark.parametrize("d, k, split", [(24, 200, None), (64, 1212, 3)])
+@pytest.mark.parametrize("weight_type", ["fp16", "fp8"])
+@pytest.mark.parametrize("normed", [False, True])
+def test_gated_product_is_silu_of_gate_times_up(d, k, split, weight_type, normed):
+    """A [gate | up] GEMV with the SiLU folded (and the input norm: normed) == silu(gate) * up
+    of the plain product."""
+    g = torch.Generator().manual_seed(d + k)
+    h = torch.randn(1, k, generator=g).to(torch.float16)
+    gamma = (1 + 0.5 * torch.randn(k, generator=g)).to(torch.float16)
+    if weight_type == "fp8":
+        w, scale = _fp8_weight(2 * d, k, g)
+        dense, scale = w.double() * scale.double()[:, None], scale.to(DEVICE)
+    else:
+        w, scale = torch.randn(2 * d, k, generator=g).to(torch.float16), None
+        dense = w.double()
+    x = h.double()
+    if normed:
+        x = x * torch.rsqrt((x * x).mean() + 1e-6) * gamma.double()
+        ss = (h.double() ** 2).reshape(4, -1).sum(1).float()  # as four column blocks left it
+        arg = RmsInput((h * gamma).to(DEVICE), ss.to(DEVICE), 1e-6)
+    else:
+        arg = h.to(DEVICE)
+    got, none = folded_matmul(arg, w.to(DEVICE), scale, gated=True, split=split)
+    assert none is None and got.shape == (1, d)
+    gate, up = (x @ dense.T).chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    bound = (x.abs() @ dense.abs().T).chunk(2, dim=-1)
+    tol = want.abs() * 2**-8 + 2**-9 * (bound[0] * up.abs() + bound[1] * gate.abs() + bound[1])
+    assert ((got.cpu().double() - want).abs() <= tol).all()
+    assert not counters("skinny_matmul", torch.device(DEVICE), 1).any()
+
+
+def test_folded_matmul_rejects_what_it_cannot_take():
+    x = torch.zeros(2, 64, dtype=torch.float16, device=DEVICE)
+    w = torch.zeros(8, 64, dtype=torch.float16, device=DEVICE)
+    with pytest.raises(ValueError, match="the folded norms and residual take one row, got 2"):
+        folded_matmul(x, w, residual=torch.zeros(2, 8, dtype=torch.float16, device=DEVICE))
+    with pytest.raises(ValueError, match=r"the residual must have shape \(1, 8\), got \(1, 4\)"):
+        folded_matmul(x[:1], w, residual=torch.zeros(1, 4, dtype=torch.float16, device=DEVICE))
+    with pytest.raises(ValueError, match=r"the next norm's weight must have shape \(8,\)"):
+        folded_matmul(x[:1], w, next_norm=(torch.ones(64, device=DEVICE), 1e-6))
+    with pytest.raises(ValueError, match="a gated product .* a multiple of 16, got 8"):
+        folded_matmul(x[:1], w, gated=True)
 
 
 def test_skinny_matmul_rejects_what_it_cannot_take():

@@ -428,7 +428,8 @@ def time_top_p(device: str, rows: int = 256, vocab: int = 128256) -> None:
             print(f"  {label:<20} std {std:<4} " + "  ".join(f"{t:8.3f}" for t in times))
 
 
-def tune_decode_mix(device: str, batches=(64, 256, 1024)) -> None:
+def tune_decode_mix(device: str, batches=(64, 256, 1024), block_ns=(16, 32, 64, 128),
+                    warps_list=(2, 4, 8), stages_list=(1, 2, 3, 4)) -> None:
     """The decode kernel's launch constants over full batches of mixed contexts (the
     ShareGPT-like mix's decode steps): ms per call at each batch size."""
     shape = Shape()
@@ -439,9 +440,9 @@ def tune_decode_mix(device: str, batches=(64, 256, 1024)) -> None:
     saved = (triton_attention.DECODE_BLOCK_N, triton_attention.DECODE_NUM_WARPS,
              triton_attention.DECODE_NUM_STAGES)
     try:
-        for block_n in (16, 32, 64, 128):
-            for warps in (2, 4, 8):
-                for stages in (1, 2, 3, 4):
+        for block_n in block_ns:
+            for warps in warps_list:
+                for stages in stages_list:
                     (triton_attention.DECODE_BLOCK_N, triton_attention.DECODE_NUM_WARPS,
                      triton_attention.DECODE_NUM_STAGES) = block_n, warps, stages
                     try:

@@ -64,17 +64,69 @@ def _row_dot(w, x_ptr, ks, k_end, EVEN: tl.constexpr):
 
 
 @triton.jit
+def _finish(acc, out_ptr, stride_om, rm, rn, M, N, pid_n, ss_in_ptr, n_ss_in, inv_k, eps,
+            res_ptr, g_ptr, hg_ptr, ss_out_ptr,
+            RMS_IN: tl.constexpr, SS_PAD: tl.constexpr, RESIDUAL: tl.constexpr,
+            RMS_OUT: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Store the finished [BLOCK_M, BLOCK_N] block: scaled by 1/rms of the input row
+    (RMS_IN), plus the residual (RESIDUAL), and for the next RMSNorm h * g and this
+    block's sum of h^2 (RMS_OUT); or GATED, silu(gate) * up of its (gate, up) pairs. The
+    folds take one row (M == 1)."""
+    if RMS_IN:
+        parts = tl.arange(0, SS_PAD)
+        ss = tl.sum(tl.load(ss_in_ptr + parts, mask=parts < n_ss_in, other=0.0), 0)
+        acc = acc * tl.rsqrt(ss * inv_k + eps)
+    if GATED:  # rounded where the unfolded projection and SiLU-and-mul kernel round
+        dtype = out_ptr.dtype.element_ty
+        gate, up = tl.split(tl.reshape(acc, (BLOCK_N // 2, 2)))
+        gate = gate.to(dtype).to(tl.float32)
+        act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)
+        tl.store(out_ptr + pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2), act.to(dtype))
+    else:
+        _store_rows(acc, out_ptr, stride_om, rm, rn, M, N, pid_n, res_ptr, g_ptr, hg_ptr,
+                    ss_out_ptr, RESIDUAL, RMS_OUT)
+
+
+@triton.jit
+def _store_rows(acc, out_ptr, stride_om, rm, rn, M, N, pid_n, res_ptr, g_ptr, hg_ptr,
+                ss_out_ptr, RESIDUAL: tl.constexpr, RMS_OUT: tl.constexpr):
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    out = acc
+    if RESIDUAL:
+        out += tl.load(res_ptr + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+    out = out.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], out, mask=mask)
+    if RMS_OUT:
+        # h as stored (rounded), as the unfolded RMSNorm reads it; masked columns are 0
+        h = out.to(tl.float32)
+        tl.store(ss_out_ptr + pid_n, tl.sum(tl.sum(h * h, 1), 0))
+        g = tl.load(g_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+        tl.store(hg_ptr + rn[None, :], (h * g[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _skinny_kernel(out_ptr, part_ptr, count_ptr, x_ptr, w_ptr, scale_ptr, M, N, K,
                    k_per_split, stride_xm, stride_om, SPLIT,
+                   ss_in_ptr, n_ss_in, inv_k, eps, res_ptr, g_ptr, hg_ptr, ss_out_ptr,
                    W_FP8: tl.constexpr, HAS_SCALE: tl.constexpr,
                    EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                   BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+                   RMS_IN: tl.constexpr, SS_PAD: tl.constexpr, RESIDUAL: tl.constexpr,
+                   RMS_OUT: tl.constexpr, GATED: tl.constexpr):
     """Program (n, s): output features [n * BLOCK_N, +BLOCK_N) over the K slice
-    [s * k_per_split, +k_per_split). EVEN: no bounds to check (N and the slices divide)."""
+    [s * k_per_split, +k_per_split). EVEN: no bounds to check (N and the slices divide).
+    GATED: the features are BLOCK_N / 2 (gate, up) pairs of a [gate | up] weight, pair i
+    in rows 2i and 2i + 1 of the block. The folds (RMS_IN, RESIDUAL, RMS_OUT, GATED; see
+    folded_matmul) apply once a block's sum is whole: in its one program, or in the last
+    slice's."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if GATED:
+        pair = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N) // 2
+        rn = pair + (tl.arange(0, BLOCK_N) % 2) * (N // 2)
+    else:
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
     k_start = pid_k * k_per_split
@@ -119,9 +171,10 @@ def _skinny_kernel(out_ptr, part_ptr, count_ptr, x_ptr, w_ptr, scale_ptr, M, N, 
         acc = acc * tl.load(scale_ptr + rn, mask=rn < N, other=0.0)[None, :]
     offs = rm[:, None] * N + rn[None, :]
     mask = (rm[:, None] < M) & (rn[None, :] < N)
-    out_ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
     if SPLIT == 1:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        _finish(acc, out_ptr, stride_om, rm, rn, M, N, pid_n, ss_in_ptr, n_ss_in, inv_k, eps,
+                res_ptr, g_ptr, hg_ptr, ss_out_ptr, RMS_IN, SS_PAD, RESIDUAL, RMS_OUT, GATED,
+                BLOCK_N)
     else:
         tl.store(part_ptr + pid_k * M * N + offs, acc, mask=mask)
         # Every thread's partial is stored before one thread counts this slice done
@@ -134,7 +187,9 @@ def _skinny_kernel(out_ptr, part_ptr, count_ptr, x_ptr, w_ptr, scale_ptr, M, N, 
             for s in range(SPLIT):
                 total += tl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0,
                                  cache_modifier=".cg")
-            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+            _finish(total, out_ptr, stride_om, rm, rn, M, N, pid_n, ss_in_ptr, n_ss_in, inv_k,
+                    eps, res_ptr, g_ptr, hg_ptr, ss_out_ptr, RMS_IN, SS_PAD, RESIDUAL, RMS_OUT,
+                    GATED, BLOCK_N)
             tl.atomic_xchg(count_ptr + pid_n, 0)
 
 
@@ -189,6 +244,35 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | N
                   split: int | None = None, config: SkinnyConfig | None = None) -> torch.Tensor:
     """x [M, K] (M <= 16, bf16/fp16) . (weight [N, K] (* scale [N]))^T -> [M, N] in x's
     dtype, accumulated in fp32. weight: x's dtype, or float8_e4m3fn with fp32 scales."""
+    return folded_matmul(x, weight, scale, split=split, config=config)[0]
+
+
+@dataclass(frozen=True)
+class RmsInput:
+    """An RMSNorm folded into the GEMV that reads its output. norm(h) = h / rms(h) * g, and
+    the 1/rms of a row is one factor of all its products: so the GEMV that wrote h also
+    stores x = h * g and ss, its column blocks' sums of h^2, and the GEMV reading x scales
+    its outputs by rsqrt(sum(ss) / K + eps). No norm kernel runs between the two (a batch-1
+    decode step had 65 of them), and the inner loops are unchanged."""
+    x: torch.Tensor  # [1, K] h * g, in h's dtype
+    ss: torch.Tensor  # [column blocks of the GEMV that wrote h] fp32
+    eps: float
+
+
+def folded_matmul(x: torch.Tensor | RmsInput, weight: torch.Tensor,
+                  scale: torch.Tensor | None = None, *, residual: torch.Tensor | None = None,
+                  next_norm: tuple[torch.Tensor, float] | None = None, gated: bool = False,
+                  split: int | None = None, config: SkinnyConfig | None = None,
+                  ) -> tuple[torch.Tensor, RmsInput | None]:
+    """skinny_matmul with the folds of a decoder layer around it, for one row:
+    x an RmsInput: the output scaled by its 1/rms (the input norm folded in);
+    residual [1, N]: out = x . W^T + residual (the residual stream, rounded once);
+    next_norm (its weight g [N], eps): also the RmsInput of norm(out) for the next GEMV;
+    gated: weight is [gate | up] ([2 * d, K]), out = silu(gate) * up [1, d] (the MLP's
+    activation folded in; whole pairs in every column block: `gates`).
+    Returns (out, that RmsInput or None)."""
+    rms_in = x if isinstance(x, RmsInput) else None
+    x = rms_in.x if rms_in is not None else x
     M, K = x.shape
     N = weight.shape[0]
     if M > MAX_ROWS:
@@ -200,22 +284,56 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | N
         raise ValueError(f"weight dtype {weight.dtype} does not match x's {x.dtype}")
     if w_fp8 != (scale is not None):
         raise ValueError("an FP8 weight takes per-feature scales, any other weight none")
+    folds = rms_in is not None or residual is not None or next_norm is not None or gated
+    if folds and M != 1:
+        raise ValueError(f"the folded norms and residual take one row, got {M}")
+    if gated and (residual is not None or next_norm is not None or not gates(weight)):
+        raise ValueError("a gated product takes no residual or next norm, and a [gate | up] "
+                         f"weight of rows a multiple of {choose_config(1, N, weight).block_n}, "
+                         f"got {N}")
+    if residual is not None and tuple(residual.shape) != (1, N):
+        raise ValueError(f"the residual must have shape (1, {N}), got {tuple(residual.shape)}")
+    if next_norm is not None and tuple(next_norm[0].shape) != (N,):
+        raise ValueError(f"the next norm's weight must have shape ({N},), "
+                         f"got {tuple(next_norm[0].shape)}")
     x = x if x.stride(-1) == 1 else x.contiguous()
     config = config or choose_config(M, N, weight)
     split = split or split_k(N, K, x.device, config)
     k_per_split = triton.cdiv(triton.cdiv(K, split), config.block_k) * config.block_k
     split = triton.cdiv(K, k_per_split)
     blocks_n = triton.cdiv(N, config.block_n)
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    out = torch.empty(M, N // 2 if gated else N, dtype=x.dtype, device=x.device)
     part = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+    rms_out = None
+    if next_norm is not None:
+        rms_out = RmsInput(torch.empty_like(out), torch.empty(blocks_n, dtype=torch.float32,
+                                                              device=x.device), next_norm[1])
     even = N % config.block_n == 0 and K % k_per_split == 0
+    unused = out  # pointer arguments of folds that are off: never read or written
     _skinny_kernel[(blocks_n, split)](
         out, part, counters("skinny_matmul", x.device, blocks_n), x,
         weight.view(torch.uint8) if w_fp8 else weight, scale if w_fp8 else out, M, N, K,
-        k_per_split, x.stride(0), out.stride(0),
-        split, W_FP8=w_fp8, HAS_SCALE=w_fp8, EVEN=even,
+        k_per_split, x.stride(0), out.stride(0), split,
+        rms_in.ss if rms_in is not None else unused,
+        rms_in.ss.numel() if rms_in is not None else 1, 1.0 / K,
+        rms_in.eps if rms_in is not None else 0.0,
+        residual.contiguous() if residual is not None else unused,
+        next_norm[0] if next_norm is not None else unused,
+        rms_out.x if rms_out is not None else unused,
+        rms_out.ss if rms_out is not None else unused,
+        W_FP8=w_fp8, HAS_SCALE=w_fp8, EVEN=even,
         BLOCK_M=1 if M == 1 else 16, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        RMS_IN=rms_in is not None,
+        SS_PAD=triton.next_power_of_2(rms_in.ss.numel()) if rms_in is not None else 1,
+        RESIDUAL=residual is not None, RMS_OUT=rms_out is not None, GATED=gated,
         num_warps=config.num_warps, num_stages=3,
         **triton_pdl.launch_kwargs(x.device),
     )
-    return out
+    return out, rms_out
+
+
+def gates(weight: torch.Tensor) -> bool:
+    """Whether a one-row product over this [gate | up] weight can fold the SiLU: each column
+    block holds whole (gate, up) pairs."""
+    n = weight.shape[0]
+    return n % choose_config(1, n, weight).block_n == 0

@@ -7,6 +7,7 @@ cache of each layer (see pagedllm/kernels/metadata.py).
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -14,16 +15,21 @@ from torch import nn
 from pagedllm.config import ModelConfig
 from pagedllm.distributed import parallel_state as ps
 from pagedllm.kernels.metadata import PagedAttentionInputMetadata
+from pagedllm.layers import norm_fold
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import PagedAttention
 from pagedllm.layers.parallel_linear import (
     ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding,
 )
 from pagedllm.layers.lora import lora_active
+from pagedllm.layers.norm_fold import folded_linear
 from pagedllm.layers.norms import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.models.base import CausalLM
 from pagedllm.models.cpu_decode import CpuFusedDecode
+
+if TYPE_CHECKING:
+    from pagedllm.kernels.triton_gemv import RmsInput
 
 
 class LlamaAttention(nn.Module):
@@ -62,15 +68,18 @@ class LlamaAttention(nn.Module):
     def forward(
         self, hidden: torch.Tensor, kv_cache: torch.Tensor, meta: PagedAttentionInputMetadata
     ) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)
+        return self.o_proj(self.attend(self.qkv_proj(hidden), kv_cache, meta))
+
+    def attend(self, qkv: torch.Tensor, kv_cache: torch.Tensor,
+               meta: PagedAttentionInputMetadata) -> torch.Tensor:
+        """The attention over the fused projection's output [T, q + 2 kv], before o_proj."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         # the attention's backend rotates q and k (with the cache write, where it can)
-        out = self.attn(q, k, v, kv_cache, meta, rope=self.rotary.rope)
-        return self.o_proj(out)
+        return self.attn(q, k, v, kv_cache, meta, rope=self.rotary.rope)
 
 
 class LlamaMLP(nn.Module):
@@ -108,6 +117,21 @@ class LlamaDecoderLayer(nn.Module):
         hidden = self.self_attn(hidden, kv_cache, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+    def forward_folded(self, x: torch.Tensor | RmsInput, residual: torch.Tensor,
+                       kv_cache: torch.Tensor, meta: PagedAttentionInputMetadata,
+                       next_norm: RMSNorm | None) -> tuple[torch.Tensor, RmsInput | None]:
+        """One row, the norms folded into the GEMVs (layers/norm_fold.py). x: this layer's
+        normed input, or its RmsInput; residual: the stream before the layer. Returns the
+        stream after it and, with next_norm, that norm's RmsInput for the next layer."""
+        attn, mlp, post = self.self_attn, self.mlp, self.post_attention_layernorm
+        qkv, _ = folded_linear(attn.qkv_proj, x)
+        h, rms = folded_linear(attn.o_proj, attn.attend(qkv, kv_cache, meta),
+                               residual=residual, next_norm=(post.weight, post.eps))
+        act, _ = folded_linear(mlp.gate_up_proj, rms, gated=True)
+        return folded_linear(mlp.down_proj, act, residual=h,
+                             next_norm=None if next_norm is None else
+                             (next_norm.weight, next_norm.eps))
 
 
 class LlamaForCausalLM(CausalLM):
@@ -147,9 +171,38 @@ class LlamaForCausalLM(CausalLM):
             fused = self.cpu_decode.run(hidden, residual, kv_caches, meta)
             if fused is not None:
                 return fused
+        if layers == range(len(self.layers)) and self.folds_norms and norm_fold.folds(hidden):
+            return self._run_folded(layers, state, kv_caches, meta)
         for i in layers:
             hidden, residual = self.layers[i](hidden, residual, kv_caches[i], meta)
         return hidden, residual
+
+    @functools.cached_property
+    def folds_norms(self) -> bool:
+        """One-row steps fold the norms into the GEMVs (layers/norm_fold.py); whole models
+        only (a device map's stages hand (hidden, residual) on)."""
+        layers = list(self.layers)
+        return norm_fold.foldable(
+            [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)],
+            [p for layer in layers for p in (layer.self_attn.o_proj, layer.mlp.down_proj)],
+            [layer.self_attn.qkv_proj for layer in layers],
+            [layer.mlp.gate_up_proj for layer in layers])
+
+    def _run_folded(self, layers: range, state: tuple, kv_caches: list[torch.Tensor],
+                    meta: PagedAttentionInputMetadata) -> tuple[torch.Tensor, None]:
+        """The layers at one row with folded norms. The first input norm runs as a kernel;
+        the state returned is (the stream, None), which final_norm reads whole."""
+        hidden, residual = state
+        first = self.layers[layers[0]].input_layernorm
+        if residual is None:
+            x, residual = first(hidden), hidden
+        else:
+            x, residual = first(hidden, residual)
+        for i in layers:
+            following = self.layers[i + 1].input_layernorm if i + 1 in layers else None
+            residual, x = self.layers[i].forward_folded(x, residual, kv_caches[i], meta,
+                                                        following)
+        return residual, None
 
     # A CPU decode step with GGUF-packed weights runs every layer in one C call
     # (models/cpu_decode.py); tests turn it off to compare with the per-op path.
@@ -161,6 +214,8 @@ class LlamaForCausalLM(CausalLM):
 
     def final_norm(self, state: tuple) -> torch.Tensor:
         hidden, residual = state
+        if residual is None:  # hidden is the whole stream (a folded step)
+            return self.norm(hidden)
         return self.norm(hidden, residual)[0]
 
     # Hugging Face names -> ours: "model." dropped, q/k/v and gate/up fused.
