@@ -33,6 +33,10 @@ def test_a_sharegpt_run_renders_its_command_machine_date_and_figures(sharegpt_js
         in text
     assert f"- date: {data['date']}" in text and data["date"].startswith("20")
     assert f"({data['host']['cores']} cores)" in text and "device cpu" in text
+    limits = data["engine_limits"]  # what the engine chose, as the bench left it the limits
+    assert (f"- engine: max_num_seqs {limits['max_num_seqs']:,}, max_num_batched_tokens "
+            f"{limits['max_num_batched_tokens']:,}, kv_cache_tokens "
+            f"{limits['kv_cache_tokens']:,}") in text
     (run,) = data["runs"]
     header, *body = rows_of(text)
     assert header == ["run", "requests", "input tok", "output tok", "time (s)", "output tok/s",

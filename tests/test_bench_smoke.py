@@ -287,6 +287,12 @@ def test_sharegpt_workload_runs_shrunk(tmp_path, capsys):
     assert summary["input_len"]["max"] <= 24 and summary["output_len"]["max"] <= 5
     assert run["total_tokens_per_s"] == pytest.approx(
         (run["input_tokens"] + run["output_tokens"]) / run["elapsed_s"])
+    # the limits the engine chose (the settings say null: left to the engine)
+    assert data["settings"]["max_num_seqs"] is None
+    limits = data["engine_limits"]
+    assert limits["max_num_seqs"] >= 1 and limits["max_num_batched_tokens"] >= 24
+    # 5e7 bytes of bf16 K and V (the bench's dtype): 30 layers x 3 KV heads x 64 dims
+    assert 0 < limits["kv_cache_tokens"] <= 5e7 / (30 * 2 * 3 * 64 * 2)
     printed = capsys.readouterr().out
     assert "total tok/s" in printed and "input_len: mean" in printed
 

@@ -129,6 +129,8 @@ def section(data: dict, name: str) -> str:
              f"- date: {data.get('date', 'not recorded')}"]
     if "settings" in data and "command" not in data:
         lines.append("- settings: " + ", ".join(f"{k}={v}" for k, v in data["settings"].items()))
+    if data.get("engine_limits"):
+        lines.append("- engine: " + ", ".join(f"{k} {v:,}" for k, v in data["engine_limits"].items()))
     return "\n".join(lines + [""] + body + [END.format(name)]) + "\n"
 
 

@@ -355,8 +355,18 @@ def engine_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
     return kwargs
 
 
+# What the last engine make_llm built resolved (batch limits sized by the device unless
+# given, the KV cache it fit): report_dict records it, so pages from different devices compare.
+ENGINE_LIMITS: dict[str, int] = {}
+
+
 def make_llm(args: argparse.Namespace, **overrides: Any):
-    return LLM(model=args.model, **engine_kwargs(args, **overrides))
+    llm = LLM(model=args.model, **engine_kwargs(args, **overrides))
+    engine = llm.engine
+    ENGINE_LIMITS.update(max_num_seqs=engine.scheduler_config.max_num_seqs,
+                         max_num_batched_tokens=engine.scheduler_config.max_num_batched_tokens,
+                         kv_cache_tokens=engine.info.num_gpu_blocks * engine.block_size)
+    return llm
 
 
 def free_memory() -> None:
@@ -1025,6 +1035,7 @@ def report_dict(report: Report, args: argparse.Namespace, argv: list[str]) -> di
         "description": report.description,
         **machine.stamp(argv[1:], report.workload),
         "settings": settings,
+        "engine_limits": dict(ENGINE_LIMITS),
         "environment": environment(args),
         "columns": [{"key": k, "header": h, "format": f} for k, h, f in report.columns],
         "runs": [r.to_dict() if isinstance(r, RunResult) else r for r in report.runs],
