@@ -44,8 +44,11 @@ _LOG2E_K = tl.constexpr(LOG2E)
 # Launch configuration: keys per inner step, query rows per prefill tile, warps, pipeline
 # stages. Module constants so `pagedllm bench kernels --tune` and the tests can change them.
 # Decode takes DECODE_BLOCK_N keys a step up to head_dim 128 and at most 64 above it (the
-# K and V tiles of every stage must fit in shared memory).
-DECODE_BLOCK_N = 128
+# K and V tiles of every stage must fit in shared memory); PAGEDLLM_DECODE_BLOCK_N sets it
+# for an end-to-end A/B (read once at import).
+DECODE_BLOCK_N = int(os.environ.get("PAGEDLLM_DECODE_BLOCK_N", "128"))
+if DECODE_BLOCK_N not in (16, 32, 64, 128):
+    raise ValueError(f"PAGEDLLM_DECODE_BLOCK_N must be 16, 32, 64 or 128, got {DECODE_BLOCK_N}")
 DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 2
 PREFILL_BLOCK_M = 64
