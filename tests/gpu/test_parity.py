@@ -5,7 +5,8 @@ A SmolLM2-135M-shaped Llama (30 layers, hidden 576, 9/3 heads of 64, intermediat
 vocab 49152, rope theta 1e5, tied embeddings) with seeded random weights, 16 prompts, run
 twice: 32 greedy tokens each, and 2..32 tokens (the batch shrinks, so graph replays pad to
 buckets). bf16 graphs vs eager is reported, not required to match (a bucket's GEMMs may round
-differently from the unpadded batch's), with the batch-1 decode latency of each.
+differently from the unpadded batch's), with the batch-1 decode latency of each; so is bf16
+batch-1 decode with the norms folded into the GEMVs against the norm kernels.
 """
 from __future__ import annotations
 
@@ -115,3 +116,34 @@ def test_bf16_graphs_vs_eager(model_dir, prompts):
     print(f"batch-1 decode, bf16: eager {latency['eager']:.2f} ms/token, graphs "
           f"{latency['graphs']:.2f} ms/token ({latency['eager'] / latency['graphs']:.1f}x)")
     assert graphs["graph_replays"] > 0
+
+
+def test_bf16_folded_norms_vs_kernels(model_dir, prompts, monkeypatch):
+    """PAGEDLLM_FOLD_NORMS=1 against the default, one sequence at a time (the fold is a
+    one-row path), bf16 with graphs: agreement and latency reported; required: the folded
+    model replays its graphs and folds."""
+    from pagedllm.layers import norm_fold
+
+    def one_at_a_time(fold: bool) -> dict:
+        monkeypatch.setattr(norm_fold, "ENABLED", fold)
+        llm = LLM(model=model_dir, seed=0, dtype="bfloat16", **GPU)
+        params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts[:8]]
+        result = {"tokens": [list(o.outputs[0].token_ids) for o in outs],
+                  "cumulative_logprob": [o.outputs[0].cumulative_logprob for o in outs],
+                  "folds": llm.engine.worker.model.folds_norms,
+                  "graph_replays": llm.engine.worker.runner.graphs.num_replays}
+        del llm, outs
+        free()
+        return result
+
+    kernels, folded = one_at_a_time(False), one_at_a_time(True)
+    latency = {}
+    for name, fold in (("kernels", False), ("folded", True)):
+        monkeypatch.setattr(norm_fold, "ENABLED", fold)
+        latency[name] = decode_latency(model_dir, dtype="bfloat16", **GPU)
+    print(f"batch 1 folded norms vs norm kernels (bf16, info): {compare(folded, kernels)}")
+    print(f"batch-1 decode, bf16 graphs: norm kernels {latency['kernels']:.2f} ms/token, "
+          f"folded {latency['folded']:.2f} ms/token")
+    assert folded["folds"] and not kernels["folds"]
+    assert folded["graph_replays"] > 0
