@@ -194,6 +194,18 @@ def test_decode_sliding_window_and_alibi(num_splits, block_n, variant, monkeypat
     run_and_compare(batch, num_splits=num_splits, **kwargs)
 
 
+def test_decode_tiles_fit_shared_memory():
+    """Keys per decode step: the default where K and V tiles of every stage fit, halved
+    where they would not (wider heads, wider elements)."""
+    block_n = triton_attention.decode_block_n
+    assert block_n(128, 2) == triton_attention.DECODE_BLOCK_N == 128
+    assert block_n(128, 1) == block_n(64, 4) == 128
+    assert block_n(128, 4) == block_n(256, 2) == 64 and block_n(256, 4) == 32
+    stages = triton_attention.DECODE_NUM_STAGES
+    assert all(2 * stages * block_n(d, e) * d * e <= triton_attention.DECODE_TILE_BYTES
+               for d in (16, 64, 128, 256) for e in (1, 2, 4))
+
+
 @pytest.mark.parametrize("sliding_window", [None, 8], ids=["full", "window"])
 def test_decode_last_split_merges_and_resets_the_counters(sliding_window, monkeypatch):
     """The last split program of a (sequence, KV head) to finish merges the splits. With

@@ -450,7 +450,10 @@ def tune_decode_mix(device: str, batches=(64, 256, 1024), block_ns=(16, 32, 64, 
                                           for b in batches)
                     except Exception as e:  # e.g. out of shared memory for this tile
                         times = f"{type(e).__name__}: {str(e)[:60]}"
-                    print(f"  BLOCK_N={block_n:<4} warps={warps} stages={stages}: {times}")
+                    used = triton_attention.decode_block_n(
+                        shape.head_dim, torch.empty(0, dtype=shape.dtype).element_size())
+                    print(f"  BLOCK_N={block_n:<4} (runs {used:<3}) warps={warps} "
+                          f"stages={stages}: {times}")
     finally:
         (triton_attention.DECODE_BLOCK_N, triton_attention.DECODE_NUM_WARPS,
          triton_attention.DECODE_NUM_STAGES) = saved

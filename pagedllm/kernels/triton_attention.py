@@ -43,14 +43,15 @@ _LOG2E_K = tl.constexpr(LOG2E)
 
 # Launch configuration: keys per inner step, query rows per prefill tile, warps, pipeline
 # stages. Module constants so `pagedllm bench kernels --tune` and the tests can change them.
-# Decode takes DECODE_BLOCK_N keys a step up to head_dim 128 and at most 64 above it (the
-# K and V tiles of every stage must fit in shared memory); PAGEDLLM_DECODE_BLOCK_N sets it
-# for an end-to-end A/B (read once at import).
+# Decode takes DECODE_BLOCK_N keys a step where the K and V tiles of every pipeline stage fit
+# in DECODE_TILE_BYTES of shared memory, fewer where not (decode_block_n);
+# PAGEDLLM_DECODE_BLOCK_N sets it for an end-to-end A/B (read once at import).
 DECODE_BLOCK_N = int(os.environ.get("PAGEDLLM_DECODE_BLOCK_N", "128"))
 if DECODE_BLOCK_N not in (16, 32, 64, 128):
     raise ValueError(f"PAGEDLLM_DECODE_BLOCK_N must be 16, 32, 64 or 128, got {DECODE_BLOCK_N}")
 DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 2
+DECODE_TILE_BYTES = 128 << 10  # of the 228 KiB an SM of an H100 / H200 has
 PREFILL_BLOCK_M = 64
 PREFILL_BLOCK_N = 64
 PREFILL_NUM_WARPS = 4
@@ -360,9 +361,14 @@ def _balances(num_seqs: int, num_kv_heads: int, device: torch.device) -> bool:
     return DECODE_SPLIT == "balance" and num_seqs * num_kv_heads >= 2 * _num_sms(device)
 
 
-def decode_block_n(head_dim: int) -> int:
-    """Keys per inner step of the decode kernel."""
-    return DECODE_BLOCK_N if head_dim <= 128 else min(DECODE_BLOCK_N, 64)
+def decode_block_n(head_dim: int, element_size: int) -> int:
+    """Keys per inner step of the decode kernel: DECODE_BLOCK_N, halved until the K and V
+    tiles of every stage fit in DECODE_TILE_BYTES (bf16 at head_dim 128: 128 keys; fp32 at
+    128 or bf16 at 256: 64)."""
+    block_n = DECODE_BLOCK_N
+    while block_n > 16 and 2 * DECODE_NUM_STAGES * block_n * head_dim * element_size > DECODE_TILE_BYTES:
+        block_n //= 2
+    return block_n
 
 
 def min_split_tiles(num_seqs: int, num_kv_heads: int, device: torch.device,
@@ -513,7 +519,7 @@ def _decode(out, query, kv_cache, meta, alibi_arg, num_splits, common) -> None:
 
     group_pad = max(16, triton.next_power_of_2(common["GROUP"]))
     # A function of the batch size only, as num_splits is: a CUDA graph replays it fixed.
-    block_n = decode_block_n(head_dim)
+    block_n = decode_block_n(head_dim, kv_cache.element_size())
     min_tiles = min_split_tiles(num_seqs, num_kv_heads, query.device, block_n)
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         out, part_m, part_l, part_acc, count,
