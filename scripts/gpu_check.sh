@@ -35,9 +35,11 @@
 #                  decode-8b (bf16, then --quantization fp8) with PAGEDLLM_PDL=0: the
 #                  decode kernels without programmatic dependent launch (kernels/triton_pdl.py;
 #                  not in the default list: compare with decode-8b / decode-8b-fp8)
-#   decode-8b-fold decode-8b-fp8-fold
-#                  the same with PAGEDLLM_FOLD_NORMS=1: the norms and SiLU of a one-row step
-#                  folded into its GEMVs (layers/norm_fold.py; not in the default list)
+#   decode-8b-fold decode-8b-fp8-fold decode-8b-fold-norope decode-8b-fp8-fold-norope
+#                  the same with PAGEDLLM_FOLD_NORMS=1: the norms, SiLU, rotary embedding and
+#                  cache write of a one-row step folded into its GEMVs (layers/norm_fold.py);
+#                  -norope: all but the rotary embedding and cache write (not in the
+#                  default list)
 #   tp-parity tp-decode-8b tp-throughput-8b tp-allreduce
 #                  tensor parallelism (not in the default list): greedy fp32 TP=2 == TP=1 on
 #                  a random 30-layer Llama (tests/gpu/test_tp.py); decode-8b / throughput-8b at
@@ -185,12 +187,14 @@ for w in decode-8b throughput-8b; do
     [ -f "$WORK/$w-fp8.json" ] && { echo "-- $w-fp8.json"; cat "$WORK/$w-fp8.json"; } >>"$LOGS/bench.log"
 done
 # Programmatic dependent launch off, the norms folded (not in the default steps): the A/Bs
-# against the above. Each entry: step suffix, then the environment it sets.
-for ab in nopdl:PAGEDLLM_PDL=0 fold:PAGEDLLM_FOLD_NORMS=1; do
+# against the above. Each entry: step suffix, then the environment it sets (comma list).
+for ab in nopdl:PAGEDLLM_PDL=0 fold:PAGEDLLM_FOLD_NORMS=1 \
+        fold-norope:PAGEDLLM_FOLD_NORMS=1,PAGEDLLM_FOLD_ROPE=0; do
+    vars=${ab#*:}
     for w in decode-8b decode-8b-fp8; do
         extra=() name=$w-${ab%%:*}
         [ "$w" = decode-8b-fp8 ] && extra=(--quantization fp8)
-        run_step "$name" 480 "$LOGS/bench.log" env "${ab#*:}" $PY "$WORK/bench.py" decode-8b \
+        run_step "$name" 480 "$LOGS/bench.log" env ${vars//,/ } $PY "$WORK/bench.py" decode-8b \
             --out "$WORK/$name.json" --no-peer ${extra[@]+"${extra[@]}"}
         [ -f "$WORK/$name.json" ] && { echo "-- $name.json"; cat "$WORK/$name.json"; } >>"$LOGS/bench.log"
     done
@@ -264,7 +268,7 @@ run_step tp-allreduce 600 "$LOGS/tp.log" $TPRUN "$WORK/bench.py" tp-allreduce --
     if [ -f "$LOGS/bench.log" ]; then
         echo
         grep -E "^== |KV budget|KV cache:|CUDA graph|Traceback|Error" "$LOGS/bench.log" | cut -c1-160
-        for w in $BENCHES decode-8b-fp8 throughput-8b-fp8 decode-8b-nopdl decode-8b-fp8-nopdl decode-8b-fold decode-8b-fp8-fold sharegpt sharegpt-sortfree \
+        for w in $BENCHES decode-8b-fp8 throughput-8b-fp8 decode-8b-nopdl decode-8b-fp8-nopdl decode-8b-fold decode-8b-fp8-fold decode-8b-fold-norope decode-8b-fp8-fold-norope sharegpt sharegpt-sortfree \
                 sharegpt-fp8 sharegpt-profile sharegpt-bn64 tp-decode-8b tp-throughput-8b $SPEC_STEPS; do  # each table follows "results:"
             sed -n "/^results: .*\/$w.json/,/^== $w:/p" "$LOGS/bench.log" | sed '1s/^/\n/'
         done

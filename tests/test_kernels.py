@@ -28,7 +28,7 @@ from pagedllm.kernels.triton_ops import (  # noqa: E402
 )
 from pagedllm.kernels.metadata import PagedAttentionInputMetadata  # noqa: E402
 from pagedllm.kernels.triton_counters import counters  # noqa: E402
-from pagedllm.kernels.triton_gemv import RmsInput, folded_matmul, skinny_matmul  # noqa: E402
+from pagedllm.kernels.triton_gemv import RmsInput, RopeCache, folded_matmul, skinny_matmul  # noqa: E402
 from pagedllm.kernels.triton_sampling import row_argmax_logsumexp  # noqa: E402
 
 skip_unless_runnable(triton_attention._paged_decode_kernel)
@@ -603,6 +603,54 @@ def test_gated_product_is_silu_of_gate_times_up(d, k, split, weight_type, normed
     assert not counters("skinny_matmul", torch.device(DEVICE), 1).any()
 
 
+@pytest.mark.parametrize("k, split, slot", [(96, None, 13), (1100, 3, 2), (96, None, -1)])
+@pytest.mark.parametrize("weight_type, cache_type", [("fp16", "fp16"), ("fp8", "fp16"),
+                                                     ("fp16", "fp8")])
+def test_rope_fold_rotates_q_and_caches_k_and_v(k, split, slot, weight_type, cache_type):
+    """A [q | k | v] GEMV (input norm and bias folded too) with the rotary embedding and the
+    cache write folded in == the plain product + bias, then triton_cache's rotary-and-write
+    kernel: the same q, the same cache (slot -1: nothing written)."""
+    heads, kv_heads, head_dim, position = 4, 2, 32, 9
+    n = (heads + 2 * kv_heads) * head_dim
+    g = torch.Generator().manual_seed(k + (slot % 7))
+    h = torch.randn(1, k, generator=g).to(torch.float16)
+    gamma = (1 + 0.5 * torch.randn(k, generator=g)).to(torch.float16)
+    bias = (0.1 * torch.randn(n, generator=g)).to(torch.float16).to(DEVICE)
+    if weight_type == "fp8":
+        w, scale = _fp8_weight(n, k, g)
+        w, scale = w.to(DEVICE), scale.to(DEVICE)
+    else:
+        w, scale = torch.randn(n, k, generator=g).to(torch.float16).to(DEVICE), None
+    angles = torch.arange(32).float()[:, None] * torch.rand(head_dim // 2, generator=g)[None, :]
+    cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1).to(DEVICE)
+    cache_dtype = torch.float8_e4m3fn if cache_type == "fp8" else torch.float16
+    cache = torch.randn(2, 4, 4, kv_heads, head_dim, generator=g).to(cache_dtype).to(DEVICE)
+    positions = torch.tensor([position], device=DEVICE)
+    slots = torch.tensor([slot], device=DEVICE)
+    normed = (h.float() * torch.rsqrt(h.float().pow(2).mean() + 1e-6)).to(torch.float16) * gamma
+    ss = h.double().pow(2).reshape(2, -1).sum(1).float().to(DEVICE)
+
+    want_cache = cache.clone()
+    qkv = skinny_matmul(normed.to(DEVICE), w, scale) + bias
+    q, kk, v = qkv.view(1, -1, head_dim).split([heads, kv_heads, kv_heads], dim=1)
+    q, kk, v = q.contiguous(), kk.contiguous(), v.contiguous()
+    triton_rotary_write_kv_cache(positions, q, kk, v, want_cache, slots, cos_sin)
+
+    rope = RopeCache(heads, kv_heads, positions, slots, cos_sin, cache)
+    got, none = folded_matmul(RmsInput((h * gamma).to(DEVICE), ss, 1e-6), w, scale, bias=bias,
+                              rope=rope, split=split)
+    assert none is None and got.shape == (1, heads * head_dim)
+    # one rounding of the product here, two there (normed, then the product)
+    torch.testing.assert_close(got.cpu().float(), q.reshape(1, -1).cpu().float(),
+                               rtol=2e-2, atol=2e-2 * q.abs().max().item())
+    changed = (cache.float() != want_cache.float()).any(dim=(0, 3, 4)).cpu()
+    assert changed.sum() == (0 if slot < 0 else 1)  # only the slot written (fp8: mostly)
+    torch.testing.assert_close(cache.cpu().float(), want_cache.cpu().float(),
+                               rtol=0.13 if cache_type == "fp8" else 2e-2,
+                               atol=2e-2 * want_cache.float().abs().max().item())
+    assert not counters("skinny_matmul", torch.device(DEVICE), 1).any()
+
+
 def test_folded_matmul_rejects_what_it_cannot_take():
     x = torch.zeros(2, 64, dtype=torch.float16, device=DEVICE)
     w = torch.zeros(8, 64, dtype=torch.float16, device=DEVICE)
@@ -614,6 +662,11 @@ def test_folded_matmul_rejects_what_it_cannot_take():
         folded_matmul(x[:1], w, next_norm=(torch.ones(64, device=DEVICE), 1e-6))
     with pytest.raises(ValueError, match="a gated product .* a multiple of 16, got 8"):
         folded_matmul(x[:1], w, gated=True)
+    cache = torch.zeros(2, 2, 4, 1, 16, dtype=torch.float16, device=DEVICE)
+    one = torch.zeros(1, dtype=torch.long, device=DEVICE)
+    rope = RopeCache(1, 1, one, one, torch.zeros(8, 16, device=DEVICE), cache)
+    with pytest.raises(ValueError, match="a \\[q \\| k \\| v\\] weight of 48 rows .* got 8 rows"):
+        folded_matmul(x[:1], w, rope=rope)
 
 
 def test_skinny_matmul_rejects_what_it_cannot_take():

@@ -51,35 +51,53 @@ def run_step(model, config, ids: list[int], seq_lens: list[int], fold: bool):
     meta = PagedAttentionInputMetadata.build(positions, slots, [1] * len(ids), seq_lens, tables,
                                              device=DEVICE)
     model.folds_norms = fold and type(model).folds_norms.func(model)
+    model.folds_rope = type(model).folds_rope.func(model)
     with torch.inference_mode():
         return model(torch.tensor(ids, device=DEVICE), caches, {torch.device(DEVICE): meta}), caches
 
 
-def count_norms(monkeypatch) -> list[int]:
+def count_calls(monkeypatch, name: str) -> list[int]:
+    """A counter of the Triton backend's method `name`."""
     calls = [0]
     backend = dispatch.BACKENDS["triton"]
-    original = backend.rms_norm
+    original = getattr(backend, name)
 
     def counted(*args, **kwargs):
         calls[0] += 1
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(backend, "rms_norm", counted)
+    monkeypatch.setattr(backend, name, counted)
     return calls
 
 
-@pytest.mark.parametrize("overrides", [{}, {"qk_norm": True, "attention_bias": True}])
-def test_one_row_folds_and_matches_the_norm_kernels(monkeypatch, overrides):
+def count_norms(monkeypatch) -> list[int]:
+    return count_calls(monkeypatch, "rms_norm")
+
+
+# Plain Llama (qkv folds the rotary embedding and cache write too), with a qkv bias (added
+# inside the fold), with the rope fold switched off, and Qwen3-like q/k norms (no rope fold).
+CASES = {"llama": ({}, True), "bias": ({"attention_bias": True}, True),
+         "rope off": ({}, False), "qk norms": ({"qk_norm": True, "attention_bias": True}, True)}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_one_row_folds_and_matches_the_norm_kernels(monkeypatch, case):
+    overrides, rope_on = CASES[case]
+    monkeypatch.setattr(norm_fold, "ROPE", rope_on)
     model, config = tiny_model(**overrides)
     assert type(model).folds_norms.func(model)
-    calls = count_norms(monkeypatch)
+    folds_rope = rope_on and not overrides.get("qk_norm")
+    assert type(model).folds_rope.func(model) == folds_rope
+    calls, rotary = count_norms(monkeypatch), count_calls(monkeypatch, "rotary_paged_attention")
     want, want_caches = run_step(model, config, [11], [7], fold=False)
-    unfolded = calls[0]
+    unfolded, unfolded_rotary = calls[0], rotary[0]
     got, got_caches = run_step(model, config, [11], [7], fold=True)
-    folded = calls[0] - unfolded
-    per_head = 2 if overrides else 0  # q and k norms stay kernels
-    assert unfolded == 2 * config.num_hidden_layers + 1 + per_head * config.num_hidden_layers
-    assert folded == 2 + per_head * config.num_hidden_layers
+    folded, folded_rotary = calls[0] - unfolded, rotary[0] - unfolded_rotary
+    layers = config.num_hidden_layers
+    per_head = 2 if overrides.get("qk_norm") else 0  # q and k norms stay kernels
+    assert unfolded == 2 * layers + 1 + per_head * layers
+    assert folded == 2 + per_head * layers
+    assert unfolded_rotary == layers and folded_rotary == (0 if folds_rope else layers)
     # fp16: the folded path rounds h * g once where the kernels round norm(h), then * g
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
     assert (got - want).abs().max() < 0.05 * want.abs().max()

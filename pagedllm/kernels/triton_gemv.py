@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from pagedllm.kernels import triton_pdl
+from pagedllm.kernels import triton_cache, triton_pdl
 from pagedllm.kernels.triton_counters import counters
 
 
@@ -64,27 +64,90 @@ def _row_dot(w, x_ptr, ks, k_end, EVEN: tl.constexpr):
 
 
 @triton.jit
+def _feature_rows(pid_n, N, BLOCK_N: tl.constexpr, GATED: tl.constexpr, ROPE: tl.constexpr,
+                  HEAD_DIM: tl.constexpr):
+    """The weight rows (output features) of column block pid_n. Paired folds put the two
+    features of a pair in rows 2i and 2i + 1 of the block: GATED, gate i and up i of a
+    [gate | up] weight; ROPE, dims d and d + HEAD_DIM / 2 of one head of a [q | k | v]
+    weight (the blocks of a head in order)."""
+    j = tl.arange(0, BLOCK_N)
+    if GATED:
+        return pid_n * (BLOCK_N // 2) + j // 2 + (j % 2) * (N // 2)
+    if ROPE:
+        per_head: tl.constexpr = HEAD_DIM // BLOCK_N
+        first = (pid_n // per_head) * HEAD_DIM + (pid_n % per_head) * (BLOCK_N // 2)
+        return first + j // 2 + (j % 2) * (HEAD_DIM // 2)
+    return pid_n * BLOCK_N + j
+
+
+@triton.jit
 def _finish(acc, out_ptr, stride_om, rm, rn, M, N, pid_n, ss_in_ptr, n_ss_in, inv_k, eps,
-            res_ptr, g_ptr, hg_ptr, ss_out_ptr,
-            RMS_IN: tl.constexpr, SS_PAD: tl.constexpr, RESIDUAL: tl.constexpr,
-            RMS_OUT: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr):
+            bias_ptr, res_ptr, g_ptr, hg_ptr, ss_out_ptr, pos_ptr, slot_ptr, cos_sin_ptr,
+            cache_ptr, num_heads, num_kv_heads, stride_c_kv, stride_c_block, stride_c_offset,
+            stride_c_head, block_size, RMS_IN: tl.constexpr, SS_PAD: tl.constexpr,
+            HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, RMS_OUT: tl.constexpr,
+            GATED: tl.constexpr, ROPE: tl.constexpr, HEAD_DIM: tl.constexpr,
+            FP8_MAX: tl.constexpr, BLOCK_N: tl.constexpr):
     """Store the finished [BLOCK_M, BLOCK_N] block: scaled by 1/rms of the input row
-    (RMS_IN), plus the residual (RESIDUAL), and for the next RMSNorm h * g and this
-    block's sum of h^2 (RMS_OUT); or GATED, silu(gate) * up of its (gate, up) pairs. The
-    folds take one row (M == 1)."""
+    (RMS_IN), plus the bias; then plus the residual (RESIDUAL), and for the next RMSNorm
+    h * g and this block's sum of h^2 (RMS_OUT); or GATED, silu(gate) * up of its pairs;
+    or ROPE, its pairs rotated and stored as q, or into the KV cache. The folds take one
+    row (M == 1)."""
     if RMS_IN:
         parts = tl.arange(0, SS_PAD)
         ss = tl.sum(tl.load(ss_in_ptr + parts, mask=parts < n_ss_in, other=0.0), 0)
         acc = acc * tl.rsqrt(ss * inv_k + eps)
-    if GATED:  # rounded where the unfolded projection and SiLU-and-mul kernel round
-        dtype = out_ptr.dtype.element_ty
-        gate, up = tl.split(tl.reshape(acc, (BLOCK_N // 2, 2)))
-        gate = gate.to(dtype).to(tl.float32)
-        act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)
-        tl.store(out_ptr + pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2), act.to(dtype))
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    dtype = out_ptr.dtype.element_ty
+    if GATED or ROPE:  # rounded where the unfolded projection rounds its output
+        first, second = tl.split(tl.reshape(acc.to(dtype).to(tl.float32), (BLOCK_N // 2, 2)))
+        if GATED:
+            act = (first * tl.sigmoid(first)).to(dtype).to(tl.float32) * second
+            tl.store(out_ptr + pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2),
+                     act.to(dtype))
+        else:
+            _rope_store(first, second, out_ptr, pid_n, pos_ptr, slot_ptr, cos_sin_ptr,
+                        cache_ptr, num_heads, num_kv_heads, stride_c_kv, stride_c_block,
+                        stride_c_offset, stride_c_head, block_size, HEAD_DIM, FP8_MAX, BLOCK_N)
     else:
         _store_rows(acc, out_ptr, stride_om, rm, rn, M, N, pid_n, res_ptr, g_ptr, hg_ptr,
                     ss_out_ptr, RESIDUAL, RMS_OUT)
+
+
+@triton.jit
+def _rope_store(x1, x2, q_ptr, pid_n, pos_ptr, slot_ptr, cos_sin_ptr, cache_ptr, num_heads,
+                num_kv_heads, stride_c_kv, stride_c_block, stride_c_offset, stride_c_head,
+                block_size, HEAD_DIM: tl.constexpr, FP8_MAX: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """Dims d and d + HEAD_DIM / 2 (x1, x2) of one head of [q | k | v]: q and k heads
+    rotated at the row's position (neox style, cos | sin rows of HEAD_DIM), then q heads
+    stored as q, k and v heads in the row's cache slot (none for a slot of -1), as
+    triton_cache's rotary-and-write kernel does."""
+    half: tl.constexpr = HEAD_DIM // 2
+    d = (pid_n % (HEAD_DIM // BLOCK_N)) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    head = pid_n // (HEAD_DIM // BLOCK_N) + 0 * d  # as a tensor: the masks below are too
+    pos = tl.load(pos_ptr).to(tl.int64)
+    cos = tl.load(cos_sin_ptr + pos * HEAD_DIM + d).to(tl.float32)
+    sin = tl.load(cos_sin_ptr + pos * HEAD_DIM + half + d).to(tl.float32)
+    is_v = head >= num_heads + num_kv_heads  # q and k heads rotate; v heads as they are
+    y1 = tl.where(is_v, x1, x1 * cos - x2 * sin)
+    y2 = tl.where(is_v, x2, x2 * cos + x1 * sin)
+    dtype = q_ptr.dtype.element_ty
+    is_q = head < num_heads
+    tl.store(q_ptr + head * HEAD_DIM + d, y1.to(dtype), mask=is_q)
+    tl.store(q_ptr + head * HEAD_DIM + half + d, y2.to(dtype), mask=is_q)
+    slot = tl.load(slot_ptr).to(tl.int64) + 0 * d
+    kv_head = head - num_heads - tl.where(is_v, num_kv_heads, 0)
+    dst = (cache_ptr + tl.where(is_v, stride_c_kv, 0) + (slot // block_size) * stride_c_block
+           + (slot % block_size) * stride_c_offset + kv_head * stride_c_head + d)
+    y1, y2 = y1.to(dtype).to(tl.float32), y2.to(dtype).to(tl.float32)  # as q and k round
+    if FP8_MAX > 0:  # E4M3 has no infinity: clamp first (triton_cache)
+        y1 = tl.minimum(tl.maximum(y1, -FP8_MAX), FP8_MAX)
+        y2 = tl.minimum(tl.maximum(y2, -FP8_MAX), FP8_MAX)
+    cached = (head >= num_heads) & (slot >= 0)
+    tl.store(dst, y1.to(cache_ptr.dtype.element_ty), mask=cached)
+    tl.store(dst + half, y2.to(cache_ptr.dtype.element_ty), mask=cached)
 
 
 @triton.jit
@@ -107,26 +170,25 @@ def _store_rows(acc, out_ptr, stride_om, rm, rn, M, N, pid_n, res_ptr, g_ptr, hg
 @triton.jit
 def _skinny_kernel(out_ptr, part_ptr, count_ptr, x_ptr, w_ptr, scale_ptr, M, N, K,
                    k_per_split, stride_xm, stride_om, SPLIT,
-                   ss_in_ptr, n_ss_in, inv_k, eps, res_ptr, g_ptr, hg_ptr, ss_out_ptr,
+                   ss_in_ptr, n_ss_in, inv_k, eps, bias_ptr, res_ptr, g_ptr, hg_ptr,
+                   ss_out_ptr,
+                   pos_ptr, slot_ptr, cos_sin_ptr, cache_ptr, num_heads, num_kv_heads,
+                   stride_c_kv, stride_c_block, stride_c_offset, stride_c_head, block_size,
                    W_FP8: tl.constexpr, HAS_SCALE: tl.constexpr,
                    EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                   RMS_IN: tl.constexpr, SS_PAD: tl.constexpr, RESIDUAL: tl.constexpr,
-                   RMS_OUT: tl.constexpr, GATED: tl.constexpr):
+                   RMS_IN: tl.constexpr, SS_PAD: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   RESIDUAL: tl.constexpr, RMS_OUT: tl.constexpr, GATED: tl.constexpr,
+                   ROPE: tl.constexpr, HEAD_DIM: tl.constexpr, FP8_MAX: tl.constexpr):
     """Program (n, s): output features [n * BLOCK_N, +BLOCK_N) over the K slice
     [s * k_per_split, +k_per_split). EVEN: no bounds to check (N and the slices divide).
-    GATED: the features are BLOCK_N / 2 (gate, up) pairs of a [gate | up] weight, pair i
-    in rows 2i and 2i + 1 of the block. The folds (RMS_IN, RESIDUAL, RMS_OUT, GATED; see
+    GATED and ROPE pair the block's features (_feature_rows). The folds (see
     folded_matmul) apply once a block's sum is whole: in its one program, or in the last
     slice's."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
-    if GATED:
-        pair = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N) // 2
-        rn = pair + (tl.arange(0, BLOCK_N) % 2) * (N // 2)
-    else:
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = _feature_rows(pid_n, N, BLOCK_N, GATED, ROPE, HEAD_DIM)
     rk = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
     k_start = pid_k * k_per_split
@@ -173,8 +235,10 @@ def _skinny_kernel(out_ptr, part_ptr, count_ptr, x_ptr, w_ptr, scale_ptr, M, N, 
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     if SPLIT == 1:
         _finish(acc, out_ptr, stride_om, rm, rn, M, N, pid_n, ss_in_ptr, n_ss_in, inv_k, eps,
-                res_ptr, g_ptr, hg_ptr, ss_out_ptr, RMS_IN, SS_PAD, RESIDUAL, RMS_OUT, GATED,
-                BLOCK_N)
+                bias_ptr, res_ptr, g_ptr, hg_ptr, ss_out_ptr, pos_ptr, slot_ptr, cos_sin_ptr,
+                cache_ptr, num_heads, num_kv_heads, stride_c_kv, stride_c_block,
+                stride_c_offset, stride_c_head, block_size, RMS_IN, SS_PAD, HAS_BIAS,
+                RESIDUAL, RMS_OUT, GATED, ROPE, HEAD_DIM, FP8_MAX, BLOCK_N)
     else:
         tl.store(part_ptr + pid_k * M * N + offs, acc, mask=mask)
         # Every thread's partial is stored before one thread counts this slice done
@@ -188,8 +252,11 @@ def _skinny_kernel(out_ptr, part_ptr, count_ptr, x_ptr, w_ptr, scale_ptr, M, N, 
                 total += tl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0,
                                  cache_modifier=".cg")
             _finish(total, out_ptr, stride_om, rm, rn, M, N, pid_n, ss_in_ptr, n_ss_in, inv_k,
-                    eps, res_ptr, g_ptr, hg_ptr, ss_out_ptr, RMS_IN, SS_PAD, RESIDUAL, RMS_OUT,
-                    GATED, BLOCK_N)
+                    eps, bias_ptr, res_ptr, g_ptr, hg_ptr, ss_out_ptr, pos_ptr, slot_ptr,
+                    cos_sin_ptr, cache_ptr, num_heads, num_kv_heads, stride_c_kv,
+                    stride_c_block, stride_c_offset, stride_c_head, block_size, RMS_IN,
+                    SS_PAD, HAS_BIAS, RESIDUAL, RMS_OUT, GATED, ROPE, HEAD_DIM, FP8_MAX,
+                    BLOCK_N)
             tl.atomic_xchg(count_ptr + pid_n, 0)
 
 
@@ -259,17 +326,35 @@ class RmsInput:
     eps: float
 
 
+@dataclass(frozen=True)
+class RopeCache:
+    """The rotary embedding and the KV cache write folded into a one-row [q | k | v]
+    projection: q and k heads rotated at positions[0] (neox style, full head_dim), k and v
+    heads stored in kv_cache's slot slot_mapping[0] (none for -1, FP8 clamped as
+    triton_cache stores them); the product's output is then q alone."""
+    num_heads: int
+    num_kv_heads: int
+    positions: torch.Tensor  # [1] int
+    slot_mapping: torch.Tensor  # [1] int
+    cos_sin: torch.Tensor  # [max_position, head_dim]: cos | sin, contiguous
+    kv_cache: torch.Tensor  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+
+
 def folded_matmul(x: torch.Tensor | RmsInput, weight: torch.Tensor,
-                  scale: torch.Tensor | None = None, *, residual: torch.Tensor | None = None,
+                  scale: torch.Tensor | None = None, *, bias: torch.Tensor | None = None,
+                  residual: torch.Tensor | None = None,
                   next_norm: tuple[torch.Tensor, float] | None = None, gated: bool = False,
+                  rope: RopeCache | None = None,
                   split: int | None = None, config: SkinnyConfig | None = None,
                   ) -> tuple[torch.Tensor, RmsInput | None]:
     """skinny_matmul with the folds of a decoder layer around it, for one row:
     x an RmsInput: the output scaled by its 1/rms (the input norm folded in);
+    bias [N]: added to the product (before any fold below);
     residual [1, N]: out = x . W^T + residual (the residual stream, rounded once);
     next_norm (its weight g [N], eps): also the RmsInput of norm(out) for the next GEMV;
     gated: weight is [gate | up] ([2 * d, K]), out = silu(gate) * up [1, d] (the MLP's
-    activation folded in; whole pairs in every column block: `gates`).
+    activation folded in; whole pairs in every column block: `gates`);
+    rope: weight is [q | k | v], out = q rotated [1, heads * head_dim], k and v cached.
     Returns (out, that RmsInput or None)."""
     rms_in = x if isinstance(x, RmsInput) else None
     x = rms_in.x if rms_in is not None else x
@@ -284,13 +369,18 @@ def folded_matmul(x: torch.Tensor | RmsInput, weight: torch.Tensor,
         raise ValueError(f"weight dtype {weight.dtype} does not match x's {x.dtype}")
     if w_fp8 != (scale is not None):
         raise ValueError("an FP8 weight takes per-feature scales, any other weight none")
-    folds = rms_in is not None or residual is not None or next_norm is not None or gated
+    folds = (rms_in is not None or bias is not None or residual is not None
+             or next_norm is not None or gated or rope is not None)
     if folds and M != 1:
         raise ValueError(f"the folded norms and residual take one row, got {M}")
     if gated and (residual is not None or next_norm is not None or not gates(weight)):
         raise ValueError("a gated product takes no residual or next norm, and a [gate | up] "
                          f"weight of rows a multiple of {choose_config(1, N, weight).block_n}, "
                          f"got {N}")
+    if rope is not None:
+        _check_rope(rope, weight, residual is not None or next_norm is not None or gated)
+    if bias is not None and tuple(bias.shape) != (N,):
+        raise ValueError(f"the bias must have shape ({N},), got {tuple(bias.shape)}")
     if residual is not None and tuple(residual.shape) != (1, N):
         raise ValueError(f"the residual must have shape (1, {N}), got {tuple(residual.shape)}")
     if next_norm is not None and tuple(next_norm[0].shape) != (N,):
@@ -302,7 +392,8 @@ def folded_matmul(x: torch.Tensor | RmsInput, weight: torch.Tensor,
     k_per_split = triton.cdiv(triton.cdiv(K, split), config.block_k) * config.block_k
     split = triton.cdiv(K, k_per_split)
     blocks_n = triton.cdiv(N, config.block_n)
-    out = torch.empty(M, N // 2 if gated else N, dtype=x.dtype, device=x.device)
+    width = N // 2 if gated else rope.num_heads * head_dim_of(rope) if rope else N
+    out = torch.empty(M, width, dtype=x.dtype, device=x.device)
     part = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
     rms_out = None
     if next_norm is not None:
@@ -317,19 +408,58 @@ def folded_matmul(x: torch.Tensor | RmsInput, weight: torch.Tensor,
         rms_in.ss if rms_in is not None else unused,
         rms_in.ss.numel() if rms_in is not None else 1, 1.0 / K,
         rms_in.eps if rms_in is not None else 0.0,
+        bias if bias is not None else unused,
         residual.contiguous() if residual is not None else unused,
         next_norm[0] if next_norm is not None else unused,
         rms_out.x if rms_out is not None else unused,
         rms_out.ss if rms_out is not None else unused,
+        *_rope_args(rope, unused),
         W_FP8=w_fp8, HAS_SCALE=w_fp8, EVEN=even,
         BLOCK_M=1 if M == 1 else 16, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         RMS_IN=rms_in is not None,
         SS_PAD=triton.next_power_of_2(rms_in.ss.numel()) if rms_in is not None else 1,
-        RESIDUAL=residual is not None, RMS_OUT=rms_out is not None, GATED=gated,
+        HAS_BIAS=bias is not None, RESIDUAL=residual is not None,
+        RMS_OUT=rms_out is not None, GATED=gated, ROPE=rope is not None,
+        HEAD_DIM=head_dim_of(rope) if rope else config.block_n,
+        FP8_MAX=triton_cache.fp8_max(rope.kv_cache) if rope else 0.0,
         num_warps=config.num_warps, num_stages=3,
         **triton_pdl.launch_kwargs(x.device),
     )
     return out, rms_out
+
+
+def head_dim_of(rope: RopeCache) -> int:
+    return rope.kv_cache.shape[-1]
+
+
+def _rope_args(rope: RopeCache | None, unused: torch.Tensor) -> tuple:
+    """The kernel's arguments of the rope fold, from positions to block_size."""
+    if rope is None:
+        return (unused,) * 4 + (0,) * 7
+    cache = rope.kv_cache
+    return (rope.positions, rope.slot_mapping, rope.cos_sin, cache, rope.num_heads,
+            rope.num_kv_heads, *cache.stride()[:4], cache.shape[2])
+
+
+def _check_rope(rope: RopeCache, weight: torch.Tensor, other_folds: bool) -> None:
+    cache, head_dim = rope.kv_cache, head_dim_of(rope)
+    rows = (rope.num_heads + 2 * rope.num_kv_heads) * head_dim
+    if other_folds or weight.shape[0] != rows:
+        raise ValueError(f"a rope fold takes a [q | k | v] weight of {rows} rows and no "
+                         f"residual, next norm or gate, got {weight.shape[0]} rows")
+    if not ropes(weight, head_dim):
+        raise ValueError(f"a rope fold takes a head_dim that is a multiple of "
+                         f"{choose_config(1, rows, weight).block_n}, got {head_dim}")
+    if (cache.dim() != 5 or cache.shape[3] != rope.num_kv_heads or cache.stride(-1) != 1
+            or tuple(rope.cos_sin.shape[1:]) != (head_dim,) or not rope.cos_sin.is_contiguous()):
+        raise ValueError("a rope fold takes a [2, blocks, block_size, kv_heads, head_dim] "
+                         "cache and contiguous cos | sin rows of head_dim (full rotary)")
+
+
+def ropes(weight: torch.Tensor, head_dim: int) -> bool:
+    """Whether a one-row product over this [q | k | v] weight can fold the rotary embedding:
+    each column block holds whole (d, d + head_dim / 2) pairs of one head."""
+    return head_dim % choose_config(1, weight.shape[0], weight).block_n == 0
 
 
 def gates(weight: torch.Tensor) -> bool:

@@ -64,3 +64,11 @@ class PagedAttention(Dispatched):
             out = self.backend.paged_attention(q, k, v, kv_cache, meta, self.scale,
                                                self.sliding_window, self.alibi_slopes(q.device))
         return out.reshape(-1, self.num_heads * self.head_dim)
+
+    def over_cache(self, q: torch.Tensor, kv_cache: torch.Tensor,
+                   meta: PagedAttentionInputMetadata) -> torch.Tensor:
+        """The attention of q ([T, num_heads * head_dim], rotated) over a cache that already
+        holds this step's K/V (written by a folded projection, layers/norm_fold.py)."""
+        q = q.view(-1, self.num_heads, self.head_dim)
+        out = self.backend.cached_attention(q, kv_cache, meta, self.scale, self.sliding_window)
+        return out.reshape(-1, self.num_heads * self.head_dim)

@@ -68,6 +68,13 @@ class TorchBackend:
         q, k = self.rotary_embedding(meta.positions, q, k, rope, meta)
         return self.paged_attention(q, k, v, kv_cache, meta, scale, sliding_window, None)
 
+    def cached_attention(self, q: torch.Tensor, kv_cache: torch.Tensor,
+                         meta: PagedAttentionInputMetadata, scale: float,
+                         sliding_window: int | None) -> torch.Tensor:
+        """paged_attention whose K/V something else already wrote to the cache (a folded
+        projection, layers/norm_fold.py)."""
+        return reference.paged_attention(q, kv_cache, meta, scale, sliding_window, None)
+
 
 class CpuBackend(TorchBackend):
     """The CPU in fp32: the C kernels where the library is built (kernels/cpu/build.py), and
@@ -151,6 +158,12 @@ class TritonBackend(TorchBackend):
 
         triton_rotary_write_kv_cache(meta.positions, q, k, v, kv_cache, meta.slot_mapping,
                                      rope.cos_sin_cache(q.device))
+        return triton_paged_attention(q, kv_cache, meta, scale, sliding_window, None,
+                                      num_splits=meta.num_splits)
+
+    def cached_attention(self, q, kv_cache, meta, scale, sliding_window):
+        from pagedllm.kernels.triton_attention import triton_paged_attention
+
         return triton_paged_attention(q, kv_cache, meta, scale, sliding_window, None,
                                       num_splits=meta.num_splits)
 

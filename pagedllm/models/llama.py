@@ -81,6 +81,17 @@ class LlamaAttention(nn.Module):
         # the attention's backend rotates q and k (with the cache write, where it can)
         return self.attn(q, k, v, kv_cache, meta, rope=self.rotary.rope)
 
+    def attend_folded(self, x: torch.Tensor | RmsInput, kv_cache: torch.Tensor,
+                      meta: PagedAttentionInputMetadata, fold_rope: bool) -> torch.Tensor:
+        """One row (layers/norm_fold.py): the qkv GEMV from x (normed, or its RmsInput),
+        with the rotary embedding and cache write folded in where fold_rope, then the
+        attention, before o_proj."""
+        if fold_rope:
+            q = norm_fold.folded_qkv(self.qkv_proj, x, self.num_heads, self.num_kv_heads,
+                                     self.rotary.rope, kv_cache, meta)
+            return self.attn.over_cache(q, kv_cache, meta)
+        return self.attend(folded_linear(self.qkv_proj, x)[0], kv_cache, meta)
+
 
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
@@ -120,13 +131,13 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward_folded(self, x: torch.Tensor | RmsInput, residual: torch.Tensor,
                        kv_cache: torch.Tensor, meta: PagedAttentionInputMetadata,
-                       next_norm: RMSNorm | None) -> tuple[torch.Tensor, RmsInput | None]:
+                       next_norm: RMSNorm | None, fold_rope: bool
+                       ) -> tuple[torch.Tensor, RmsInput | None]:
         """One row, the norms folded into the GEMVs (layers/norm_fold.py). x: this layer's
         normed input, or its RmsInput; residual: the stream before the layer. Returns the
         stream after it and, with next_norm, that norm's RmsInput for the next layer."""
         attn, mlp, post = self.self_attn, self.mlp, self.post_attention_layernorm
-        qkv, _ = folded_linear(attn.qkv_proj, x)
-        h, rms = folded_linear(attn.o_proj, attn.attend(qkv, kv_cache, meta),
+        h, rms = folded_linear(attn.o_proj, attn.attend_folded(x, kv_cache, meta, fold_rope),
                                residual=residual, next_norm=(post.weight, post.eps))
         act, _ = folded_linear(mlp.gate_up_proj, rms, gated=True)
         return folded_linear(mlp.down_proj, act, residual=h,
@@ -178,12 +189,19 @@ class LlamaForCausalLM(CausalLM):
         return hidden, residual
 
     @functools.cached_property
+    def folds_rope(self) -> bool:
+        """Folded steps fold the rotary embedding and cache write into qkv too."""
+        attn = self.layers[0].self_attn
+        return norm_fold.rope_foldable(attn.qkv_proj, attn.head_dim, attn.q_norm is not None)
+
+    @functools.cached_property
     def folds_norms(self) -> bool:
         """One-row steps fold the norms into the GEMVs (layers/norm_fold.py); whole models
         only (a device map's stages hand (hidden, residual) on)."""
         layers = list(self.layers)
         return norm_fold.foldable(
-            [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)],
+            [n for layer in layers
+             for n in (layer.input_layernorm, layer.post_attention_layernorm)],
             [p for layer in layers for p in (layer.self_attn.o_proj, layer.mlp.down_proj)],
             [layer.self_attn.qkv_proj for layer in layers],
             [layer.mlp.gate_up_proj for layer in layers])
@@ -201,7 +219,7 @@ class LlamaForCausalLM(CausalLM):
         for i in layers:
             following = self.layers[i + 1].input_layernorm if i + 1 in layers else None
             residual, x = self.layers[i].forward_folded(x, residual, kv_caches[i], meta,
-                                                        following)
+                                                        following, self.folds_rope)
         return residual, None
 
     # A CPU decode step with GGUF-packed weights runs every layer in one C call
