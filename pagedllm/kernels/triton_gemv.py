@@ -12,6 +12,11 @@ One row takes the CUDA cores (products summed along K, no padding to a tensor-co
 2-16 rows take tl.dot. Under programmatic dependent launch (kernels/triton_pdl.py) a one-row
 program loads its first weight tile before it waits for the kernel that wrote x. The kernel
 runs under TRITON_INTERPRET=1 on the CPU for the tests (its tl.dot takes fp16, not bf16).
+
+At one row, `folded_matmul` also folds what a decoder layer does around its projections
+into the store of each finished block (layers/norm_fold.py): the input RMSNorm's 1/rms, the
+bias, the residual add and the next norm's input, SiLU-and-mul, or the rotary embedding
+with the KV cache write.
 """
 from __future__ import annotations
 
