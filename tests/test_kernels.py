@@ -654,7 +654,7 @@ def test_rope_fold_rotates_q_and_caches_k_and_v(k, split, slot, weight_type, cac
 def test_folded_matmul_rejects_what_it_cannot_take():
     x = torch.zeros(2, 64, dtype=torch.float16, device=DEVICE)
     w = torch.zeros(8, 64, dtype=torch.float16, device=DEVICE)
-    with pytest.raises(ValueError, match="the folded norms and residual take one row, got 2"):
+    with pytest.raises(ValueError, match="folded_matmul's folds take one row, got 2"):
         folded_matmul(x, w, residual=torch.zeros(2, 8, dtype=torch.float16, device=DEVICE))
     with pytest.raises(ValueError, match=r"the residual must have shape \(1, 8\), got \(1, 4\)"):
         folded_matmul(x[:1], w, residual=torch.zeros(1, 4, dtype=torch.float16, device=DEVICE))

@@ -450,8 +450,7 @@ def tune_decode_mix(device: str, batches=(64, 256, 1024), block_ns=(16, 32, 64, 
                                           for b in batches)
                     except Exception as e:  # e.g. out of shared memory for this tile
                         times = f"{type(e).__name__}: {str(e)[:60]}"
-                    used = triton_attention.decode_block_n(
-                        shape.head_dim, torch.empty(0, dtype=shape.dtype).element_size())
+                    used = triton_attention.decode_block_n(shape.head_dim, shape.dtype.itemsize)
                     print(f"  BLOCK_N={block_n:<4} (runs {used:<3}) warps={warps} "
                           f"stages={stages}: {times}")
     finally:

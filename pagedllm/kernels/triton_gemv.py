@@ -344,6 +344,10 @@ class RopeCache:
     cos_sin: torch.Tensor  # [max_position, head_dim]: cos | sin, contiguous
     kv_cache: torch.Tensor  # [2, num_blocks, block_size, num_kv_heads, head_dim]
 
+    @property
+    def head_dim(self) -> int:
+        return self.kv_cache.shape[-1]
+
 
 def folded_matmul(x: torch.Tensor | RmsInput, weight: torch.Tensor,
                   scale: torch.Tensor | None = None, *, bias: torch.Tensor | None = None,
@@ -377,7 +381,7 @@ def folded_matmul(x: torch.Tensor | RmsInput, weight: torch.Tensor,
     folds = (rms_in is not None or bias is not None or residual is not None
              or next_norm is not None or gated or rope is not None)
     if folds and M != 1:
-        raise ValueError(f"the folded norms and residual take one row, got {M}")
+        raise ValueError(f"folded_matmul's folds take one row, got {M}")
     if gated and (residual is not None or next_norm is not None or not gates(weight)):
         raise ValueError("a gated product takes no residual or next norm, and a [gate | up] "
                          f"weight of rows a multiple of {choose_config(1, N, weight).block_n}, "
@@ -397,7 +401,7 @@ def folded_matmul(x: torch.Tensor | RmsInput, weight: torch.Tensor,
     k_per_split = triton.cdiv(triton.cdiv(K, split), config.block_k) * config.block_k
     split = triton.cdiv(K, k_per_split)
     blocks_n = triton.cdiv(N, config.block_n)
-    width = N // 2 if gated else rope.num_heads * head_dim_of(rope) if rope else N
+    width = N // 2 if gated else rope.num_heads * rope.head_dim if rope else N
     out = torch.empty(M, width, dtype=x.dtype, device=x.device)
     part = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
     rms_out = None
@@ -425,16 +429,12 @@ def folded_matmul(x: torch.Tensor | RmsInput, weight: torch.Tensor,
         SS_PAD=triton.next_power_of_2(rms_in.ss.numel()) if rms_in is not None else 1,
         HAS_BIAS=bias is not None, RESIDUAL=residual is not None,
         RMS_OUT=rms_out is not None, GATED=gated, ROPE=rope is not None,
-        HEAD_DIM=head_dim_of(rope) if rope else config.block_n,
+        HEAD_DIM=rope.head_dim if rope else config.block_n,
         FP8_MAX=triton_cache.fp8_max(rope.kv_cache) if rope else 0.0,
         num_warps=config.num_warps, num_stages=3,
         **triton_pdl.launch_kwargs(x.device),
     )
     return out, rms_out
-
-
-def head_dim_of(rope: RopeCache) -> int:
-    return rope.kv_cache.shape[-1]
 
 
 def _rope_args(rope: RopeCache | None, unused: torch.Tensor) -> tuple:
@@ -447,7 +447,7 @@ def _rope_args(rope: RopeCache | None, unused: torch.Tensor) -> tuple:
 
 
 def _check_rope(rope: RopeCache, weight: torch.Tensor, other_folds: bool) -> None:
-    cache, head_dim = rope.kv_cache, head_dim_of(rope)
+    cache, head_dim = rope.kv_cache, rope.head_dim
     rows = (rope.num_heads + 2 * rope.num_kv_heads) * head_dim
     if other_folds or weight.shape[0] != rows:
         raise ValueError(f"a rope fold takes a [q | k | v] weight of {rows} rows and no "
