@@ -53,7 +53,7 @@ def run_step(model, config, ids: list[int], seq_lens: list[int], fold: bool):
     model.folds_norms = fold and type(model).folds_norms.func(model)
     model.folds_rope = type(model).folds_rope.func(model)
     with torch.inference_mode():
-        return model(torch.tensor(ids, device=DEVICE), caches, {torch.device(DEVICE): meta}), caches
+        return model(torch.tensor(ids, device=DEVICE), caches, {next(model.parameters()).device: meta}), caches
 
 
 def count_calls(monkeypatch, name: str) -> list[int]:

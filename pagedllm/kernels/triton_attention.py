@@ -510,12 +510,13 @@ def _decode(out, query, kv_cache, meta, alibi_arg, num_splits, common) -> None:
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
 
+    # One per (sequence, KV head), zero between launches: the merging program resets its own.
+    # Passed with one split too: unused there, but the kernel's atomics compile for int32 only.
+    count = counters("paged_decode", query.device, num_seqs * num_kv_heads)
     if num_splits == 1:
-        part_m = part_l = part_acc = count = out  # unused: the kernel writes the output directly
+        part_m = part_l = part_acc = out  # unused: the kernel writes the output directly
     else:
         part_m, part_l, part_acc = _partial_buffers(num_seqs, num_heads, num_splits, head_dim, query.device)
-        # One per (sequence, KV head), zero between launches: the merging program resets its own.
-        count = counters("paged_decode", query.device, num_seqs * num_kv_heads)
 
     group_pad = max(16, triton.next_power_of_2(common["GROUP"]))
     # A function of the batch size only, as num_splits is: a CUDA graph replays it fixed.
