@@ -35,11 +35,11 @@
 #                  decode-8b (bf16, then --quantization fp8) with PAGEDLLM_PDL=0: the
 #                  decode kernels without programmatic dependent launch (kernels/triton_pdl.py;
 #                  not in the default list: compare with decode-8b / decode-8b-fp8)
-#   decode-8b-fold decode-8b-fp8-fold decode-8b-fold-norope decode-8b-fp8-fold-norope
-#                  the same with PAGEDLLM_FOLD_NORMS=1: the norms, SiLU, rotary embedding and
-#                  cache write of a one-row step folded into its GEMVs (layers/norm_fold.py);
-#                  -norope: all but the rotary embedding and cache write (not in the
-#                  default list)
+#   decode-8b-nofold decode-8b-fp8-nofold decode-8b-norope decode-8b-fp8-norope
+#                  the same with PAGEDLLM_FOLD_NORMS=0: the norm, SiLU and rotary kernels
+#                  instead of folding them and the cache write into a one-row step's GEMVs
+#                  (layers/norm_fold.py); -norope: PAGEDLLM_FOLD_ROPE=0, only the rotary
+#                  kernel and cache write unfolded (not in the default list)
 #   tp-parity tp-decode-8b tp-throughput-8b tp-allreduce
 #                  tensor parallelism (not in the default list): greedy fp32 TP=2 == TP=1 on
 #                  a random 30-layer Llama (tests/gpu/test_tp.py); decode-8b / throughput-8b at
@@ -186,10 +186,9 @@ for w in decode-8b throughput-8b; do
         --out "$WORK/$w-fp8.json" --no-peer
     [ -f "$WORK/$w-fp8.json" ] && { echo "-- $w-fp8.json"; cat "$WORK/$w-fp8.json"; } >>"$LOGS/bench.log"
 done
-# Programmatic dependent launch off, the norms folded (not in the default steps): the A/Bs
-# against the above. Each entry: step suffix, then the environment it sets (comma list).
-for ab in nopdl:PAGEDLLM_PDL=0 fold:PAGEDLLM_FOLD_NORMS=1 \
-        fold-norope:PAGEDLLM_FOLD_NORMS=1,PAGEDLLM_FOLD_ROPE=0; do
+# Programmatic dependent launch off, the norms not folded (not in the default steps): the
+# A/Bs against the above. Each entry: step suffix, then the environment it sets (comma list).
+for ab in nopdl:PAGEDLLM_PDL=0 nofold:PAGEDLLM_FOLD_NORMS=0 norope:PAGEDLLM_FOLD_ROPE=0; do
     vars=${ab#*:}
     for w in decode-8b decode-8b-fp8; do
         extra=() name=$w-${ab%%:*}
@@ -268,7 +267,7 @@ run_step tp-allreduce 600 "$LOGS/tp.log" $TPRUN "$WORK/bench.py" tp-allreduce --
     if [ -f "$LOGS/bench.log" ]; then
         echo
         grep -E "^== |KV budget|KV cache:|CUDA graph|Traceback|Error" "$LOGS/bench.log" | cut -c1-160
-        for w in $BENCHES decode-8b-fp8 throughput-8b-fp8 decode-8b-nopdl decode-8b-fp8-nopdl decode-8b-fold decode-8b-fp8-fold decode-8b-fold-norope decode-8b-fp8-fold-norope sharegpt sharegpt-sortfree \
+        for w in $BENCHES decode-8b-fp8 throughput-8b-fp8 decode-8b-nopdl decode-8b-fp8-nopdl decode-8b-nofold decode-8b-fp8-nofold decode-8b-norope decode-8b-fp8-norope sharegpt sharegpt-sortfree \
                 sharegpt-fp8 sharegpt-profile sharegpt-bn64 tp-decode-8b tp-throughput-8b $SPEC_STEPS; do  # each table follows "results:"
             sed -n "/^results: .*\/$w.json/,/^== $w:/p" "$LOGS/bench.log" | sed '1s/^/\n/'
         done

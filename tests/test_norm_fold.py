@@ -23,7 +23,7 @@ BLOCK_SIZE = 4
 
 @pytest.fixture(autouse=True)
 def fold_on(monkeypatch):
-    """PAGEDLLM_FOLD_NORMS=1 (off by default)."""
+    """On (the default), whatever PAGEDLLM_FOLD_NORMS says in the environment."""
     monkeypatch.setattr(norm_fold, "ENABLED", True)
 
 

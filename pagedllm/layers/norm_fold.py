@@ -13,10 +13,9 @@ through the skinny kernel at one row), without tensor parallelism (the residual 
 after the all-reduce there) or adapter rows (their updates go between the GEMV and the add),
 on the Triton backend.
 
-Off unless PAGEDLLM_FOLD_NORMS=1: the kernels pass their tests under Triton's interpreter
-but have not yet been compiled and timed on a GPU (scripts/gpu_check.sh's decode-8b-fold
-steps measure them against the default). PAGEDLLM_FOLD_ROPE=0 keeps the rotary kernel when
-folding (to tell the two apart).
+On by default; PAGEDLLM_FOLD_NORMS=0 runs the norm, activation and rotary kernels instead
+(scripts/gpu_check.sh's decode-8b-nofold steps time the two), PAGEDLLM_FOLD_ROPE=0 keeps
+only the rotary kernel (to tell the two folds apart).
 """
 from __future__ import annotations
 
@@ -33,7 +32,7 @@ from pagedllm.layers.fp8_linear import FP8Linear
 from pagedllm.layers.lora import lora_active
 from pagedllm.layers.norms import RMSNorm
 
-ENABLED = os.environ.get("PAGEDLLM_FOLD_NORMS", "0") == "1"
+ENABLED = os.environ.get("PAGEDLLM_FOLD_NORMS", "1") != "0"
 ROPE = os.environ.get("PAGEDLLM_FOLD_ROPE", "1") != "0"
 
 

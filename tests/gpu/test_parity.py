@@ -119,7 +119,7 @@ def test_bf16_graphs_vs_eager(model_dir, prompts):
 
 
 def test_bf16_folded_norms_vs_kernels(model_dir, prompts, monkeypatch):
-    """PAGEDLLM_FOLD_NORMS=1 against the default, one sequence at a time (the fold is a
+    """The fold (the default) against PAGEDLLM_FOLD_NORMS=0, one sequence at a time (the fold is a
     one-row path), bf16 with graphs: agreement and latency reported; required: the folded
     model replays its graphs and folds."""
     from pagedllm.layers import norm_fold
