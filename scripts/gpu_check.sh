@@ -11,11 +11,12 @@
 #                  two GPUs), test-fp8-kv-cache (attention over an FP8 KV cache; greedy
 #                  agreement FP8 KV vs bf16 KV), test-sortfree-sampler (thresholds == the
 #                  sort at 128k vocab, chi-square of the draws), tp-parity (TP=2 == TP=1)
-#   sharegpt sharegpt-sort sharegpt-sortfree sharegpt-fp8 sharegpt-profile (not in the
-#                  default list) `pagedllm bench sharegpt` with the default sampler
-#                  (PAGEDLLM_SAMPLER=rejection), =sort, =sortfree; the default with
-#                  --quantization fp8 --kv-cache-dtype fp8; the default again with
-#                  --profile (kernel time by kind, the top kernels, the GPU-busy share)
+#   sharegpt sharegpt-sort sharegpt-sortfree sharegpt-fp8 sharegpt-profile
+#   sharegpt-fp8-profile (not in the default list) `pagedllm bench sharegpt` with the
+#                  default sampler (PAGEDLLM_SAMPLER=rejection), =sort, =sortfree; the
+#                  default with --quantization fp8 --kv-cache-dtype fp8; the default again
+#                  with --profile (kernel time by kind, the top kernels, the GPU-busy
+#                  share); the FP8 run with --profile
 #   sharegpt-bn64  the default with PAGEDLLM_DECODE_BLOCK_N=64 (decode attention's keys per
 #                  step; the default 128): compare with sharegpt of the same run
 #   decode-tune    the decode attention kernel's launch constants over full batches of
@@ -204,7 +205,8 @@ run_step decode-tune 300 "$LOGS/bench.log" $PY -c \
     "from pagedllm.benchmarks.kernel_bench import tune_decode_mix; tune_decode_mix('cuda')"
 run_step top-p-bench 300 "$LOGS/bench.log" $PY -c \
     "from pagedllm.benchmarks.kernel_bench import time_top_p; time_top_p('cuda')"
-for w in sharegpt sharegpt-sort sharegpt-sortfree sharegpt-fp8 sharegpt-profile sharegpt-bn64; do
+for w in sharegpt sharegpt-sort sharegpt-sortfree sharegpt-fp8 sharegpt-profile sharegpt-fp8-profile \
+        sharegpt-bn64; do
     sampler=rejection extra=() env_ab=()
     case $w in
     sharegpt-bn64) env_ab=(PAGEDLLM_DECODE_BLOCK_N=64) ;;
@@ -212,6 +214,7 @@ for w in sharegpt sharegpt-sort sharegpt-sortfree sharegpt-fp8 sharegpt-profile 
     sharegpt-sortfree) sampler=sortfree ;;
     sharegpt-fp8) extra=(--quantization fp8 --kv-cache-dtype fp8) ;;
     sharegpt-profile) extra=(--profile) ;;
+    sharegpt-fp8-profile) extra=(--quantization fp8 --kv-cache-dtype fp8 --profile) ;;
     esac
     run_step "$w" 480 "$LOGS/bench.log" env PAGEDLLM_SAMPLER=$sampler ${env_ab[@]+"${env_ab[@]}"} \
         $PY "$WORK/bench.py" sharegpt --out "$WORK/$w.json" ${extra[@]+"${extra[@]}"}
@@ -268,7 +271,7 @@ run_step tp-allreduce 600 "$LOGS/tp.log" $TPRUN "$WORK/bench.py" tp-allreduce --
         echo
         grep -E "^== |KV budget|KV cache:|CUDA graph|Traceback|Error" "$LOGS/bench.log" | cut -c1-160
         for w in $BENCHES decode-8b-fp8 throughput-8b-fp8 decode-8b-nopdl decode-8b-fp8-nopdl decode-8b-nofold decode-8b-fp8-nofold decode-8b-norope decode-8b-fp8-norope sharegpt sharegpt-sortfree \
-                sharegpt-fp8 sharegpt-profile sharegpt-bn64 tp-decode-8b tp-throughput-8b $SPEC_STEPS; do  # each table follows "results:"
+                sharegpt-fp8 sharegpt-profile sharegpt-fp8-profile sharegpt-bn64 tp-decode-8b tp-throughput-8b $SPEC_STEPS; do  # each table follows "results:"
             sed -n "/^results: .*\/$w.json/,/^== $w:/p" "$LOGS/bench.log" | sed '1s/^/\n/'
         done
     fi
