@@ -10,7 +10,7 @@ import torch
 from pagedllm.benchmarks import cpu_targets, workloads
 from pagedllm.benchmarks.scheduler_bench import percentile
 from pagedllm.benchmarks.workloads import parse_args
-from pagedllm.entrypoints.usage import UsageError
+from pagedllm.entrypoints.usage import EXIT_USAGE, UsageError
 
 GPU_WORKLOADS = ["nano", "decode-8b", "throughput-8b", "prefix-8b"]
 
@@ -247,6 +247,14 @@ def test_sharegpt_help_lists_its_options(capsys):
     assert (given.max_num_seqs, given.max_num_batched_tokens) == (64, 4096)
 
 
+def test_profile_is_for_cuda_runs():
+    assert not parse_args(["nano", "--device", "cpu"]).profile
+    for workload in ("nano", "sharegpt"):
+        assert workloads.main([workload, "--device", "cpu", "--profile"]) == EXIT_USAGE
+    if torch.cuda.is_available():
+        assert parse_args(["nano", "--profile"]).profile
+
+
 def test_kernel_profile_sorts_kernels_into_the_tables_kinds():
     from pagedllm.benchmarks.kernel_profile import KINDS, kind_of
 
@@ -254,7 +262,7 @@ def test_kernel_profile_sorts_kernels_into_the_tables_kinds():
         "nvjet_sm90_tst_128x16_64x11_2x1_v_bz_TNT": 0, "_skinny_kernel": 0,
         "_paged_decode_kernel": 1, "_merge_splits_kernel": 1, "_paged_prefill_kernel": 2,
         "void at::native::(anonymous namespace)::radixSortKVInPlace<...>": 3,
-        "_threshold_kernel": 3, "_rms_norm_kernel": 4, "_rotary_and_cache_kernel": 4,
+        "_threshold_kernel": 3, "_check_kernel": 3, "_race_kernel": 3, "_rms_norm_kernel": 4, "_rotary_and_cache_kernel": 4,
         "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda>": 5,
         "_expand_kernel": 6,
     }

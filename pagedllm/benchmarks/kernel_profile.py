@@ -1,6 +1,6 @@
-"""Kernel time by kind over one timed run (`pagedllm bench sharegpt --profile`): torch's
-profiler records every CUDA kernel of the run, and their durations are summed into the
-kinds of issue 31's table. Beside the run's wall time the sum gives the GPU-busy share
+"""Kernel time by kind over one timed run (`pagedllm bench sharegpt --profile`, and nano's):
+torch's profiler records every CUDA kernel of the run, and their durations are summed into
+the kinds of issue 31's table. Beside the run's wall time the sum gives the GPU-busy share
 (what is left is host gaps). The profiler's own overhead lowers the run's tok/s a little:
 compare tok/s across runs without --profile."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ KINDS: tuple[tuple[str, str], ...] = (
     ("prefill attention", r"_paged_prefill|flash"),
     ("sampling: sort, scan, threshold, softmax, race",
      r"sort|radix|scan|softmax|_threshold|_row_stats|_sample|_race|exponential|argmax|topk|"
-     r"cumsum|gather_topk|_penalt"),
+     r"cumsum|gather_topk|_penalt|_check_kernel"),
     ("norms, SiLU, rotary + cache", r"rms_norm|silu|rotary|_cache_kernel|_write_kv"),
     ("copies, casts, elementwise, memsets", r"copy|elementwise|memset|memcpy|fill|cast"),
     ("the rest", r""),

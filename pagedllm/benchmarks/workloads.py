@@ -181,6 +181,10 @@ def build_parser(workload: Workload) -> argparse.ArgumentParser:
                        help="new tokens per stream of the target rows (default 128)")
         p.add_argument("--target-streams", type=int, default=16)
         p.add_argument("--prefill-len", type=int, default=512)
+    if w.name in ("nano", "sharegpt"):
+        p.add_argument("--profile", action="store_true",
+                       help="also record the timed run's CUDA kernels and print their time by "
+                       "kind and the GPU-busy share (the profiler slows the run a little)")
     if w.name == "nano":
         p.add_argument("--temperature", type=float, default=0.6)
         p.add_argument("--peer-max-tokens", type=int, default=None,
@@ -197,9 +201,6 @@ def build_parser(workload: Workload) -> argparse.ArgumentParser:
         p.add_argument("--mean-output-len", type=float, default=SHAREGPT_MEAN_OUTPUT,
                        help="mean of the lognormal output lengths before clipping to "
                        f"[--min-tokens, --max-tokens] (default {SHAREGPT_MEAN_OUTPUT:g})")
-        p.add_argument("--profile", action="store_true",
-                       help="also record the run's CUDA kernels and print their time by kind "
-                       "and the GPU-busy share (the profiler slows the run a little)")
     if w.name == "spec":
         p.add_argument("--method", default="ngram", choices=["ngram", "draft_model", "both"],
                        help="the proposer(s) timed against plain decoding (default ngram)")
@@ -277,6 +278,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     device = getattr(args, "device", "cpu")
+    if getattr(args, "profile", False) and not device.startswith("cuda"):
+        raise UsageError(f"--profile records CUDA kernels; this run is on {device}")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError(
             f"workload {workload.name!r} runs on CUDA, which is not available here; to try it "
@@ -546,10 +549,14 @@ def bench_nano(args: argparse.Namespace) -> Report:
     fixed_len = args.peer_max_tokens or (args.output_len[0] + args.output_len[1]) // 2
     llm = make_llm(args)
     warm_up(llm)
-    sampled, _ = timed_generate(llm, f"pagedllm (T={args.temperature}, random out len)",
-                                prompts, params)
+    with kernel_profile(args.profile) as kernels:
+        sampled, _ = timed_generate(llm, f"pagedllm (T={args.temperature}, random out len)",
+                                    prompts, params)
     runs: list[RunResult | dict] = [sampled]
     summary: dict[str, Any] = {"prompts": "random token ids in [0, 10000)"}
+    if kernels:
+        summary["kernel_seconds"] = kernels
+        summary["gpu_busy_share"] = print_table(kernels, sampled.elapsed_s)
     if args.peer:
         greedy = SamplingParams(temperature=0.0, max_tokens=fixed_len, ignore_eos=True)
         fixed, _ = timed_generate(llm, f"pagedllm (greedy, {fixed_len} out)", prompts,
