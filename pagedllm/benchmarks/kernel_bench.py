@@ -312,23 +312,25 @@ def mix_lengths(num_seqs: int, seed: int = 0, median: float = 400.0, longest: in
 
 
 def time_decode_mix(device: str, num_seqs: int = 256, num_heads: int = 32, head_dim: int = 128,
-                    longest: int = 3072) -> None:
+                    longest: int = 3072, kv_dtype: torch.dtype | None = None) -> None:
     """A full batch of mixed context lengths under each PAGEDLLM_DECODE_SPLIT policy: the
-    longest contexts set the kernel's tail unless they are cut ("balance")."""
+    longest contexts set the kernel's tail unless they are cut ("balance"). kv_dtype: the
+    cache's (default the queries'; float8_e4m3fn: --kv-cache-dtype fp8)."""
     shape = Shape(num_heads=num_heads, head_dim=head_dim)
-    elt = torch.finfo(shape.dtype).bits // 8
     lens = mix_lengths(num_seqs, longest=longest)
     batch = build_batch(lens, [1] * num_seqs, shape, device, poison=False)
+    cache = batch.kv_cache.to(kv_dtype or shape.dtype)
     out = torch.empty_like(batch.query)
-    moved = sum(lens) * shape.num_kv_heads * shape.head_dim * 2 * elt + 2 * batch.query.numel() * elt
+    moved = (sum(lens) * shape.num_kv_heads * shape.head_dim * 2 * cache.element_size()
+             + 2 * batch.query.numel() * batch.query.element_size())
     print(f"\ndecode, mixed contexts: {num_seqs} seqs, {num_heads} q / {shape.num_kv_heads} kv heads, "
-          f"context mean {sum(lens) / num_seqs:.0f} max {max(lens)}")
+          f"context mean {sum(lens) / num_seqs:.0f} max {max(lens)}, {cache.dtype} cache")
     previous = triton_attention.DECODE_SPLIT
     try:
         for policy in triton_attention.DECODE_SPLIT_POLICIES:
             triton_attention.DECODE_SPLIT = policy
             splits = choose_num_splits(max(lens), num_seqs, shape.num_kv_heads, batch.query.device)
-            ms = bench(lambda: triton_paged_attention(batch.query, batch.kv_cache, batch.meta, batch.scale, out=out))
+            ms = bench(lambda: triton_paged_attention(batch.query, cache, batch.meta, batch.scale, out=out))
             gbps = moved / ms / 1e6
             print(f"  {policy:>8}: splits {splits:>2}  {ms:.3f} ms  {gbps:.0f} GB/s  "
                   f"{100 * gbps / H200_PEAK_GBPS:.0f}% of peak")
@@ -515,6 +517,8 @@ def main(argv: list[str]) -> int:
     if args.smoke:  # run the timing code paths once, at toy sizes
         time_decode(device, batch_sizes=(1, 4), contexts=(40,), head_dim=head_dim)
         time_decode_mix(device, num_seqs=20, num_heads=16, head_dim=head_dim, longest=600)
+        time_decode_mix(device, num_seqs=4, head_dim=head_dim, longest=100,
+                        kv_dtype=torch.float8_e4m3fn)
         time_prefill(device, scale_down=scale_down, head_dim=head_dim)
         time_ops(device, tokens=8)
         time_sampling(device, rows=2, vocab=1000)
@@ -523,6 +527,8 @@ def main(argv: list[str]) -> int:
         time_decode(device)
         time_decode_mix(device)
         time_decode_mix(device, num_heads=16)  # Qwen3-0.6B's 16 q / 8 kv heads
+        for num_heads in (32, 16):  # over an FP8 cache: half the bytes of the two above
+            time_decode_mix(device, num_heads=num_heads, kv_dtype=torch.float8_e4m3fn)
         time_prefill(device)
         time_ops(device)
         time_sampling(device)
