@@ -255,6 +255,15 @@ def test_profile_is_for_cuda_runs():
         assert parse_args(["nano", "--profile"]).profile
 
 
+def test_profile_summary_is_empty_without_kernels_and_gives_the_busy_share(capsys):
+    from pagedllm.benchmarks.kernel_profile import profile_summary
+
+    assert profile_summary({}, 2.0) == {}
+    seconds = {"decode attention": 0.5, "the rest": 1.0}
+    assert profile_summary(seconds, 2.0) == {"kernel_seconds": seconds, "gpu_busy_share": 0.75}
+    assert "| all kernels / wall time | 1.50 / 2.00 (75% busy) |" in capsys.readouterr().out
+
+
 def test_kernel_profile_sorts_kernels_into_the_tables_kinds():
     from pagedllm.benchmarks.kernel_profile import KINDS, kind_of
 

@@ -68,3 +68,11 @@ def print_table(seconds: dict[str, float], wall_s: float) -> float:
     busy = total / wall_s if wall_s else 0.0
     print(f"| all kernels / wall time | {total:.2f} / {wall_s:.2f} ({busy:.0%} busy) |")
     return busy
+
+
+def profile_summary(seconds: dict[str, float], wall_s: float) -> dict:
+    """A bench summary's profile entries (none when nothing was recorded): the seconds per
+    kind and the GPU-busy share; the table goes to stdout."""
+    if not seconds:
+        return {}
+    return {"kernel_seconds": seconds, "gpu_busy_share": print_table(seconds, wall_s)}

@@ -36,7 +36,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.benchmarks import WORKLOAD_HELP, cpu_targets, machine, peers
-from pagedllm.benchmarks.kernel_profile import kernel_profile, print_table
+from pagedllm.benchmarks.kernel_profile import kernel_profile, profile_summary
 from pagedllm.benchmarks.scheduler_bench import run_scheduler_bench
 from pagedllm.config import DTYPES, KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS, resolve_dtype
 from pagedllm.entrypoints.chat_utils import apply_chat_template
@@ -554,9 +554,7 @@ def bench_nano(args: argparse.Namespace) -> Report:
                                     prompts, params)
     runs: list[RunResult | dict] = [sampled]
     summary: dict[str, Any] = {"prompts": "random token ids in [0, 10000)"}
-    if kernels:
-        summary["kernel_seconds"] = kernels
-        summary["gpu_busy_share"] = print_table(kernels, sampled.elapsed_s)
+    summary.update(profile_summary(kernels, sampled.elapsed_s))
     if args.peer:
         greedy = SamplingParams(temperature=0.0, max_tokens=fixed_len, ignore_eos=True)
         fixed, _ = timed_generate(llm, f"pagedllm (greedy, {fixed_len} out)", prompts,
@@ -727,9 +725,7 @@ def bench_sharegpt(args: argparse.Namespace) -> Report:
         "num_preemptions": preemptions,
         "sampler": os.environ.get("PAGEDLLM_SAMPLER", "rejection"),
     }
-    if kernels:
-        summary["kernel_seconds"] = kernels
-        summary["gpu_busy_share"] = print_table(kernels, result.elapsed_s)
+    summary.update(profile_summary(kernels, result.elapsed_s))
     columns = THROUGHPUT_COLUMNS + [("total_tokens_per_s", "total tok/s", "{:.1f}")]
     return Report("sharegpt", WORKLOADS["sharegpt"].description, [result], summary, columns)
 

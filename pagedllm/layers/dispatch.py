@@ -153,13 +153,11 @@ class TritonBackend(TorchBackend):
         if not all(t.stride(-1) == 1 for t in (q, k, v)):
             return super().rotary_paged_attention(q, k, v, kv_cache, meta, scale,
                                                   sliding_window, rope)
-        from pagedllm.kernels.triton_attention import triton_paged_attention
         from pagedllm.kernels.triton_cache import triton_rotary_write_kv_cache
 
         triton_rotary_write_kv_cache(meta.positions, q, k, v, kv_cache, meta.slot_mapping,
                                      rope.cos_sin_cache(q.device))
-        return triton_paged_attention(q, kv_cache, meta, scale, sliding_window, None,
-                                      num_splits=meta.num_splits)
+        return self.cached_attention(q, kv_cache, meta, scale, sliding_window)
 
     def cached_attention(self, q, kv_cache, meta, scale, sliding_window):
         from pagedllm.kernels.triton_attention import triton_paged_attention
