@@ -17,6 +17,11 @@
 #                  default with --quantization fp8 --kv-cache-dtype fp8; the default again
 #                  with --profile (kernel time by kind, the top kernels, the GPU-busy
 #                  share); the FP8 run with --profile
+#   fp8-kv-dots    decode attention over a full batch of mixed contexts in an FP8 cache, the
+#                  dots in fp16 (the default) against the queries' bf16
+#                  (PAGEDLLM_FP8_KV_FP16_DOTS=0), at 32 and 16 query heads; then the bf16 cache
+#   sharegpt-fp8-bf16dots  sharegpt-fp8 with PAGEDLLM_FP8_KV_FP16_DOTS=0 (compare with
+#                  sharegpt-fp8 of the same run)
 #   sharegpt-bn64  the default with PAGEDLLM_DECODE_BLOCK_N=64 (decode attention's keys per
 #                  step; the default 128): compare with sharegpt of the same run
 #   decode-tune    the decode attention kernel's launch constants over full batches of
@@ -205,11 +210,24 @@ run_step decode-tune 300 "$LOGS/bench.log" $PY -c \
     "from pagedllm.benchmarks.kernel_bench import tune_decode_mix; tune_decode_mix('cuda')"
 run_step top-p-bench 300 "$LOGS/bench.log" $PY -c \
     "from pagedllm.benchmarks.kernel_bench import time_top_p; time_top_p('cuda')"
+run_step fp8-kv-dots 300 "$LOGS/bench.log" $PY -c "
+import torch
+from pagedllm.benchmarks.kernel_bench import time_decode_mix
+from pagedllm.kernels import triton_attention
+for fp16_dots in (True, False, True):
+    triton_attention.FP8_KV_FP16_DOTS = fp16_dots
+    print('FP8 cache, dots in', 'fp16' if fp16_dots else 'the queries\' bf16')
+    for heads in (32, 16):
+        time_decode_mix('cuda', num_heads=heads, kv_dtype=torch.float8_e4m3fn)
+for heads in (32, 16):
+    time_decode_mix('cuda', num_heads=heads)"
 for w in sharegpt sharegpt-sort sharegpt-sortfree sharegpt-fp8 sharegpt-profile sharegpt-fp8-profile \
-        sharegpt-bn64; do
+        sharegpt-bn64 sharegpt-fp8-bf16dots; do
     sampler=rejection extra=() env_ab=()
     case $w in
     sharegpt-bn64) env_ab=(PAGEDLLM_DECODE_BLOCK_N=64) ;;
+    sharegpt-fp8-bf16dots) env_ab=(PAGEDLLM_FP8_KV_FP16_DOTS=0)
+        extra=(--quantization fp8 --kv-cache-dtype fp8) ;;
     sharegpt-sort) sampler=sort ;;
     sharegpt-sortfree) sampler=sortfree ;;
     sharegpt-fp8) extra=(--quantization fp8 --kv-cache-dtype fp8) ;;

@@ -18,7 +18,7 @@ from pagedllm.kernels.triton_cache import (  # noqa: E402
 )
 from pagedllm.kernels.triton_ops import triton_rotary_embedding  # noqa: E402
 from pagedllm.worker.cache_engine import resolve_kv_cache_dtype  # noqa: E402
-from tests.test_kernels import make_batch  # noqa: E402
+from tests.test_kernels import BF16_DOT, make_batch  # noqa: E402
 
 skip_unless_runnable(triton_attention._paged_decode_kernel)
 FP8 = torch.float8_e4m3fn
@@ -117,6 +117,28 @@ def test_attention_over_an_fp8_cache(phase, seq_lens, query_lens, splits, monkey
                             batch.meta.to("cpu"), batch.scale)
     error = (out - exact).abs().max().item()
     assert 0 < error < 0.1, error  # E4M3 keeps 3 mantissa bits: a few percent per value
+
+
+@pytest.mark.parametrize("fp16_dots", [True, pytest.param(False, marks=BF16_DOT)])
+@pytest.mark.parametrize("phase, seq_lens, query_lens, splits", [
+    ("decode", [1, 17, 32, 80, 45], [1] * 5, 3),
+    ("mixed", [9, 40, 33], [1, 40, 7], None),
+])
+def test_bf16_queries_over_an_fp8_cache(phase, seq_lens, query_lens, splits, fp16_dots,
+                                        monkeypatch):
+    """bf16 queries: the dots in fp16 (FP8_KV_FP16_DOTS, the default) or in bf16 both give
+    the fp32 attention over the dequantized cache to half precision, and a query beyond
+    fp16's range (|q| 1e5, a bf16 value) still gives the softmax of its scores, no inf/NaN."""
+    monkeypatch.setattr(triton_attention, "DECODE_BLOCK_N", 16)
+    monkeypatch.setattr(triton_attention, "FP8_KV_FP16_DOTS", fp16_dots)
+    batch, cache = fp8_batch(seq_lens, query_lens, num_heads=4, num_kv_heads=2,
+                             dtype=torch.bfloat16)
+    batch.query[0, 1] *= 1e5
+    out = attend(batch, cache.to(DEVICE), splits).cpu()
+    assert out.isfinite().all()
+    dequantized = paged_attention(batch.query.cpu().float(), cache.cpu().float().nan_to_num(0.0),
+                                  batch.meta.to("cpu"), batch.scale)
+    torch.testing.assert_close(out.float(), dequantized, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("kind, want", [("auto", torch.bfloat16), ("fp8", FP8),

@@ -67,6 +67,10 @@ DECODE_SPLIT = os.environ.get("PAGEDLLM_DECODE_SPLIT", "fill")
 if DECODE_SPLIT not in DECODE_SPLIT_POLICIES:
     raise ValueError(f"PAGEDLLM_DECODE_SPLIT must be one of {DECODE_SPLIT_POLICIES}, got {DECODE_SPLIT!r}")
 BALANCE_SPLIT_TOKENS = 512
+# Over an FP8 cache with half-precision queries, the dots take fp16 operands: E4M3 -> fp16 is
+# one conversion instruction per pair of values, E4M3 -> bf16 several, and decode converts
+# every key and value it reads. PAGEDLLM_FP8_KV_FP16_DOTS=0 keeps the queries' dtype (an A/B).
+FP8_KV_FP16_DOTS = os.environ.get("PAGEDLLM_FP8_KV_FP16_DOTS", "1") != "0"
 
 
 # --------------------------------------------------------------------------------------
@@ -86,6 +90,19 @@ def _kv_tile_offsets(
     block = tl.load(block_table_row_ptr + k_pos // BLOCK_SIZE, mask=kv_mask, other=0).to(tl.int64)
     rows = block * stride_c_block + (k_pos % BLOCK_SIZE) * stride_c_offset + kv_head * stride_c_head
     return rows[:, None] + tl.arange(0, HEAD_DIM)[None, :]
+
+
+@triton.jit
+def _dot_operands(q, qk_scale, FP16_DOTS: tl.constexpr):
+    """The queries as the dots take them, and the scale left to apply to their scores.
+
+    FP16_DOTS: fp16 queries (the cache's E4M3 keys and values then convert to fp16, see
+    FP8_KV_FP16_DOTS), pre-scaled in fp32 first so that a large query cannot overflow fp16's
+    range where bf16's would hold it.
+    """
+    if FP16_DOTS:
+        return (q.to(tl.float32) * qk_scale).to(tl.float16), 1.0
+    return q, qk_scale
 
 
 @triton.jit
@@ -179,6 +196,7 @@ def _paged_decode_kernel(
     USE_WINDOW: tl.constexpr,
     USE_ALIBI: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP16_DOTS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     if PDL:  # before any read of an earlier kernel's output, any write (kernels/triton_pdl.py)
@@ -201,6 +219,7 @@ def _paged_decode_kernel(
         q_ptr + seq * stride_qt + heads[:, None] * stride_qh + dims[None, :],
         mask=row_valid[:, None], other=0.0,
     )
+    q, qk_scale = _dot_operands(q, qk_scale, FP16_DOTS)
 
     q_pos = seq_len - 1
     # This split's share of the key tiles [tile_lo, tile_hi).
@@ -271,6 +290,7 @@ def _paged_prefill_kernel(
     USE_WINDOW: tl.constexpr,
     USE_ALIBI: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP16_DOTS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -293,6 +313,7 @@ def _paged_prefill_kernel(
     dims = tl.arange(0, HEAD_DIM)
     q_offs = (q_start + q_idx).to(tl.int64)[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :]
     q = tl.load(q_ptr + q_offs, mask=row_valid[:, None], other=0.0)
+    q, qk_scale = _dot_operands(q, qk_scale, FP16_DOTS)
 
     # Keys this tile can see: up to its last query's position, from its first query's window.
     kv_hi = tl.minimum(seq_len, context_len + (q_tile + 1) * BLOCK_Q)
@@ -469,6 +490,8 @@ def triton_paged_attention(
         USE_WINDOW=sliding_window is not None,
         USE_ALIBI=alibi is not None,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        FP16_DOTS=(FP8_KV_FP16_DOTS and kv_cache.dtype == torch.float8_e4m3fn
+                   and query.dtype != torch.float32),
     )
     alibi_arg = alibi if alibi is not None else meta.seq_lens  # any tensor; never read
 
