@@ -22,10 +22,6 @@
 #                  (PAGEDLLM_FP8_KV_FP16_DOTS=0), at 32 and 16 query heads; then the bf16 cache
 #   sharegpt-fp8-bf16dots  sharegpt-fp8 with PAGEDLLM_FP8_KV_FP16_DOTS=0 (compare with
 #                  sharegpt-fp8 of the same run)
-#   sharegpt-nosplit sharegpt-256 sharegpt-256-nosplit  mixed steps' attention in one
-#                  prefill-kernel launch (PAGEDLLM_SPLIT_MIXED=0) instead of their leading
-#                  decodes through the decode kernel; at --max-num-seqs 256 requests are
-#                  admitted all through the run, so most steps are mixed
 #   sharegpt-bn64  the default with PAGEDLLM_DECODE_BLOCK_N=64 (decode attention's keys per
 #                  step; the default 128): compare with sharegpt of the same run
 #   decode-tune    the decode attention kernel's launch constants over full batches of
@@ -226,13 +222,10 @@ for fp16_dots in (True, False, True):
 for heads in (32, 16):
     time_decode_mix('cuda', num_heads=heads)"
 for w in sharegpt sharegpt-sort sharegpt-sortfree sharegpt-fp8 sharegpt-profile sharegpt-fp8-profile \
-        sharegpt-bn64 sharegpt-fp8-bf16dots sharegpt-nosplit sharegpt-256 sharegpt-256-nosplit; do
+        sharegpt-bn64 sharegpt-fp8-bf16dots; do
     sampler=rejection extra=() env_ab=()
     case $w in
     sharegpt-bn64) env_ab=(PAGEDLLM_DECODE_BLOCK_N=64) ;;
-    sharegpt-nosplit) env_ab=(PAGEDLLM_SPLIT_MIXED=0) ;;
-    sharegpt-256) extra=(--max-num-seqs 256) ;;
-    sharegpt-256-nosplit) env_ab=(PAGEDLLM_SPLIT_MIXED=0) extra=(--max-num-seqs 256) ;;
     sharegpt-fp8-bf16dots) env_ab=(PAGEDLLM_FP8_KV_FP16_DOTS=0)
         extra=(--quantization fp8 --kv-cache-dtype fp8) ;;
     sharegpt-sort) sampler=sort ;;

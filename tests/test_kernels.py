@@ -316,19 +316,11 @@ def test_chunked_prefill_with_cached_context(block_size, monkeypatch):
 
 @pytest.mark.parametrize("variant", ["plain", "sliding_window", "alibi", "both"])
 @pytest.mark.parametrize("tiles", [(16, 16), (64, 64)], ids=["small-tiles", "default-tiles"])
-@pytest.mark.parametrize("split_mixed", [True, False], ids=["split", "one-kernel"])
-def test_mixed_decode_and_prefill_batch(variant, tiles, split_mixed, monkeypatch):
-    """The leading decodes through the decode kernel and the rest through the prefill kernel
-    (SPLIT_MIXED), or the whole step through the prefill kernel: the same attention."""
+def test_mixed_decode_and_prefill_batch(variant, tiles, monkeypatch):
     monkeypatch.setattr(triton_attention, "PREFILL_BLOCK_M", tiles[0])
     monkeypatch.setattr(triton_attention, "PREFILL_BLOCK_N", tiles[1])
-    monkeypatch.setattr(triton_attention, "DECODE_BLOCK_N", 16)
-    monkeypatch.setattr(triton_attention, "SPLIT_MIXED", split_mixed)
-    # Two decodes (one long enough to split), a fresh prompt, a decode at the first block,
-    # a chunk after cached context.
-    batch = make_batch([70, 300, 30, 9, 75], [1, 1, 30, 1, 12], num_heads=8, num_kv_heads=2)
-    decodes, _ = triton_attention.split_mixed(batch.meta)
-    assert (decodes is not None) == split_mixed
+    # Decoding, a fresh prompt, a decode at the first block, a chunk after cached context.
+    batch = make_batch([70, 30, 9, 75], [1, 30, 1, 12], num_heads=8, num_kv_heads=2)
     kwargs = {}
     if variant in ("sliding_window", "both"):
         kwargs["sliding_window"] = 21
@@ -347,27 +339,6 @@ def test_half_precision(dtype, phase, num_splits):
     batch = make_batch(seq_lens, query_lens, dtype=dtype, head_dim=64)
     run_and_compare(batch, atol=2e-2, rtol=2e-2, num_splits=num_splits,
                     alibi=alibi_slopes(4).to(DEVICE))
-
-
-def test_split_mixed_views_the_leading_decodes_and_the_rest():
-    batch = make_batch([70, 300, 30, 9, 75, 4], [1, 1, 30, 1, 12, 0])
-    decodes, rest = triton_attention.split_mixed(batch.meta)
-    assert decodes.query_lens_host == [1, 1] and decodes.seq_lens_host == [70, 300]
-    assert decodes.max_query_len == 1 and decodes.max_seq_len == 300
-    assert decodes.query_start_loc.tolist() == [0, 1, 2]
-    assert rest.query_lens_host == [30, 1, 12, 0] and rest.max_seq_len == 75
-    assert rest.query_start_loc.tolist() == [2, 32, 33, 45, 45]  # the step's token offsets
-    assert rest.seq_lens.tolist() == [30, 9, 75, 4]
-    assert torch.equal(rest.block_tables, batch.meta.block_tables[2:])
-    assert torch.equal(rest.positions, batch.meta.positions[2:])
-    for lens in ([1, 1, 1], [5, 1, 1], [0, 1]):  # decode-only, no leading decode
-        meta = make_batch([9] * len(lens), lens).meta
-        assert triton_attention.split_mixed(meta) == (None, meta)
-
-
-def test_decodes_beside_sequences_without_query_tokens():
-    batch = make_batch([30, 12, 50], [1, 0, 0])
-    run_and_compare(batch)
 
 
 def test_sequence_without_query_tokens():

@@ -71,11 +71,6 @@ BALANCE_SPLIT_TOKENS = 512
 # one conversion instruction per pair of values, E4M3 -> bf16 several, and decode converts
 # every key and value it reads. PAGEDLLM_FP8_KV_FP16_DOTS=0 keeps the queries' dtype (an A/B).
 FP8_KV_FP16_DOTS = os.environ.get("PAGEDLLM_FP8_KV_FP16_DOTS", "1") != "0"
-# A mixed step (prefills beside decodes) sends its leading one-token sequences (the
-# scheduler puts running sequences first) to the decode kernel and the rest to the prefill
-# kernel: the prefill kernel gives a one-token query a whole tile of query rows and never
-# splits its context. PAGEDLLM_SPLIT_MIXED=0 sends the whole step to the prefill kernel (an A/B).
-SPLIT_MIXED = os.environ.get("PAGEDLLM_SPLIT_MIXED", "1") != "0"
 
 
 # --------------------------------------------------------------------------------------
@@ -503,46 +498,9 @@ def triton_paged_attention(
     # Decode indexes sequences by token; a sequence without a query token breaks that.
     if meta.max_query_len == 1 and query.shape[0] == meta.num_seqs:
         _decode(out, query, kv_cache, meta, alibi_arg, num_splits, common)
-        return out
-    decodes, rest = meta.step_cache("split_mixed", lambda: split_mixed(meta))
-    if decodes is not None:
-        _decode(out, query, kv_cache, decodes, alibi_arg, None, common)
-    if rest.max_query_len:  # else only sequences without a query token are left
-        _prefill(out, query, kv_cache, rest, alibi_arg, common)
+    else:
+        _prefill(out, query, kv_cache, meta, alibi_arg, common)
     return out
-
-
-def leading_decodes(query_lens: list[int]) -> int:
-    """How many sequences at the front of a step have exactly one query token."""
-    for i, q in enumerate(query_lens):
-        if q != 1:
-            return i
-    return len(query_lens)
-
-
-def split_mixed(meta: PagedAttentionInputMetadata
-                ) -> tuple[PagedAttentionInputMetadata | None, PagedAttentionInputMetadata]:
-    """(the leading decode sequences, the others) of a step that is not decode-only, as the
-    two kernels' launches see them; (None, meta) when it has no leading decodes or
-    SPLIT_MIXED is off. The second keeps absolute token offsets in query_start_loc (the
-    prefill kernel reads its rows from the step's whole query), so it is a launch's view,
-    not a batch of its own. Each is a view of meta's tensors (nothing is copied)."""
-    d = leading_decodes(meta.query_lens_host) if SPLIT_MIXED else 0
-    if d == 0 or d == meta.num_seqs:
-        return None, meta
-
-    def seqs(lo: int, hi: int | None) -> PagedAttentionInputMetadata:
-        query_lens, seq_lens = meta.query_lens_host[lo:hi], meta.seq_lens_host[lo:hi]
-        start = lo  # token offset of sequence lo: the decodes before it have one each
-        return PagedAttentionInputMetadata(
-            positions=meta.positions[start:start + sum(query_lens)],
-            slot_mapping=meta.slot_mapping[start:start + sum(query_lens)],
-            query_start_loc=meta.query_start_loc[lo:None if hi is None else hi + 1],
-            seq_lens=meta.seq_lens[lo:hi], block_tables=meta.block_tables[lo:hi],
-            max_query_len=max(query_lens), max_seq_len=max(seq_lens),
-            query_lens_host=query_lens, seq_lens_host=seq_lens)
-
-    return seqs(0, d), seqs(d, None)
 
 
 def _prefill(out, query, kv_cache, meta, alibi_arg, common) -> None:
