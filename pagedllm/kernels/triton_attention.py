@@ -100,9 +100,10 @@ def _dot_operands(q, qk_scale, FP16_DOTS: tl.constexpr):
     FP8_KV_FP16_DOTS), pre-scaled in fp32 first so that a large query cannot overflow fp16's
     range where bf16's would hold it.
     """
-    if FP16_DOTS:
+    if FP16_DOTS:  # a constexpr: one branch is compiled, so the two may return other types
         return (q.to(tl.float32) * qk_scale).to(tl.float16), 1.0
-    return q, qk_scale
+    else:
+        return q, qk_scale
 
 
 @triton.jit
