@@ -1,15 +1,22 @@
-"""Run by tests/test_triton_compile.py in a process without TRITON_INTERPRET: the attention
-kernels through Triton's front end (Python -> TTIR) for a Hopper target, at the constexprs
-their launches use. No GPU is needed. Prints one line per variant; exit status 1 when any
-variant does not compile, 2 when this Triton's compiler API is not the one used here."""
+"""Run by tests/test_triton_compile.py in a process without TRITON_INTERPRET: the Triton
+launches of pagedllm's kernel wrappers go through Triton's front end (Python -> TTIR) for a
+Hopper target instead of running, at exactly the arguments and constexprs each wrapper
+passes. No GPU is needed: the wrappers get CPU tensors, JITFunction.run is replaced by the
+compile, and the CUDA-only launch choices (PDL, the SM count) are set as on an H100.
+
+Prints one line per launch; exit status 1 when any does not compile, 2 when this Triton's
+compiler API is not the one used here."""
 from __future__ import annotations
 
+import inspect
 import itertools
 import os
 import sys
+from collections.abc import Callable
 
 assert os.environ.get("TRITON_INTERPRET") != "1", "run without TRITON_INTERPRET=1"
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 
 try:
@@ -17,60 +24,204 @@ try:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.compiler.errors import CompilationError
+    from triton.runtime.jit import JITFunction
 except ImportError as e:  # a Triton whose internals moved: nothing to check against
     print(f"this Triton's compiler API differs: {e}")
     sys.exit(2)
 
-from pagedllm.kernels import triton_attention  # noqa: E402
+from pagedllm.kernels import (  # noqa: E402
+    triton_attention, triton_bitmask, triton_cache, triton_fp8, triton_gemv, triton_lora,
+    triton_ops, triton_pdl, triton_sampling, triton_threshold, triton_top_p,
+)
+from pagedllm.kernels.metadata import PagedAttentionInputMetadata  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)  # H100 / H200
+TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
+         torch.float8_e4m3fn: "fp8e4nv", torch.uint8: "u8", torch.int8: "i8",
+         torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}
+OPTIONS = ("num_warps", "num_stages")
 
 
-def to_ttir(kernel, types: dict[str, str], constexprs: dict) -> None:
-    """kernel's TTIR; arguments not in types or constexprs are i32 scalars."""
-    signature = {name: types.get(name, "i32") for name in kernel.arg_names}
-    signature.update({name: "constexpr" for name in constexprs})
-    src = ASTSource(kernel, signature, constexprs=constexprs)
+def arg_type(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return "*" + TYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -2**31 <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no Triton type for {type(value).__name__}")
+
+
+def to_ttir(fn: JITFunction, args: tuple, kwargs: dict) -> None:
+    """The TTIR of fn launched with these arguments (launch options among kwargs)."""
+    signature, constexprs = {}, {}
+    given = dict(zip((p.name for p in fn.params), args))
+    given.update((k, v) for k, v in kwargs.items() if k not in OPTIONS)
+    for p in fn.params:
+        value = given.get(p.name, p.default)
+        if value is inspect.Parameter.empty:
+            raise TypeError(f"{fn.fn.__name__}: no value for {p.name}")
+        if p.is_constexpr or value is None:
+            signature[p.name], constexprs[p.name] = "constexpr", value
+        else:
+            signature[p.name] = arg_type(value)
     backend = triton.compiler.make_backend(TARGET)
-    options = backend.parse_options({})
+    options = backend.parse_options({k: v for k, v in kwargs.items() if k in OPTIONS})
     context = ir.context()
     ir.load_dialects(context)
     backend.load_dialects(context)
-    src.make_ir(TARGET, options, backend.get_codegen_implementation(options),
-                backend.get_module_map(), context)
+    ASTSource(fn, signature, constexprs=constexprs).make_ir(
+        TARGET, options, backend.get_codegen_implementation(options), backend.get_module_map(),
+        context)
 
 
-# (query and output dtype, cache dtype, dots in fp16): what triton_paged_attention launches
-DTYPES = [("bf16", "bf16", False), ("fp16", "fp16", False), ("fp32", "fp32", False),
-          ("bf16", "fp8e4nv", True), ("bf16", "fp8e4nv", False), ("fp16", "fp8e4nv", True)]
+LAUNCHES: list[str] = []  # the kernels each scenario launched
+
+
+def compile_instead(self: JITFunction, *args, grid, warmup, **kwargs):
+    to_ttir(self, args, kwargs)
+    LAUNCHES.append(self.fn.__name__)
+
+
+def attention(q: str, cache: str, fp16_dots: bool, window: bool, alibi: bool, splits: int | None,
+              decode: bool) -> None:
+    heads, kv_heads, head_dim, block = 32, 8, 128, 16
+    seq_lens = [70, 300, 9]
+    query_lens = [1, 1, 1] if decode else [1, 40, 9]
+    tables = [[0, 1, 2, 3, 4], list(range(5, 24)), [24]]
+    meta = PagedAttentionInputMetadata.build(
+        [s - 1 for s in seq_lens], [0] * 3 if decode else [0] * 50, query_lens, seq_lens, tables)
+    query = torch.zeros(sum(query_lens), heads, head_dim, dtype=DTYPES[q])
+    kv_cache = torch.zeros(2, 25, block, kv_heads, head_dim, dtype=DTYPES[cache])
+    triton_attention.FP8_KV_FP16_DOTS = fp16_dots
+    triton_attention.triton_paged_attention(
+        query, kv_cache, meta, 0.088, 64 if window else None,
+        torch.ones(heads) if alibi else None, num_splits=splits)
+
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+          "fp8": torch.float8_e4m3fn}
+
+
+def scenarios() -> list[tuple[str, Callable[[], None]]]:
+    out = []
+    # (queries, cache, dots in fp16): what an engine's attention launches
+    for (q, cache, fp16_dots), window, alibi in itertools.product(
+            [("bf16", "bf16", False), ("fp16", "fp16", False), ("fp32", "fp32", False),
+             ("bf16", "fp8", True), ("bf16", "fp8", False), ("fp16", "fp8", True)],
+            (False, True), (False, True)):
+        for splits, decode in ((1, True), (4, True), (None, False)):
+            name = (f"attention q {q} cache {cache} fp16 dots {fp16_dots} window {window} "
+                    f"alibi {alibi} " + (f"decode splits {splits}" if decode else "prefill"))
+            out.append((name, lambda a=(q, cache, fp16_dots, window, alibi, splits, decode):
+                        attention(*a)))
+    bf16 = torch.bfloat16
+    for cache in ("bf16", "fp8"):
+        def write(cache=cache):
+            kv = torch.zeros(2, 4, 16, 8, 128, dtype=DTYPES[cache])
+            k = torch.zeros(3, 8, 128, dtype=bf16)
+            triton_cache.triton_write_kv_cache(k, k, kv, torch.zeros(3, dtype=torch.long))
+            q = torch.zeros(3, 32, 128, dtype=bf16)
+            triton_cache.triton_rotary_write_kv_cache(
+                torch.zeros(3, dtype=torch.long), q, k, k, kv, torch.zeros(3, dtype=torch.long),
+                torch.zeros(64, 128))
+        out.append((f"cache writes, {cache} cache", write))
+    for dtype in ("bf16", "fp32"):
+        def ops(dtype=DTYPES[dtype]):
+            x = torch.zeros(5, 4096, dtype=dtype)
+            triton_ops.triton_rms_norm(x, torch.ones(4096, dtype=dtype), 1e-6)
+            triton_ops.triton_rms_norm(x, torch.ones(4096, dtype=dtype), 1e-6, residual=x.clone())
+            triton_ops.triton_silu_and_mul(torch.zeros(5, 2 * 4096, dtype=dtype))
+            q, k = torch.zeros(5, 32, 128, dtype=dtype), torch.zeros(5, 8, 128, dtype=dtype)
+            triton_ops.triton_rotary_embedding(torch.zeros(5, dtype=torch.long), q, k,
+                                               torch.zeros(64, 128))
+        out.append((f"norms, SiLU, rotary in {dtype}", ops))
+    for weight, rows in itertools.product(("bf16", "fp8"), (1, 4)):
+        out.append((f"skinny matmul, {weight} weight, {rows} rows",
+                    lambda w=weight, m=rows: gemv(w, m)))
+    for weight, cache in itertools.product(("bf16", "fp8"), ("bf16", "fp8")):
+        out.append((f"one-row folds, {weight} weight, {cache} cache",
+                    lambda w=weight, c=cache: folds(w, c)))
+    out.append(("FP8 activation rows", lambda: triton_fp8.quantize_rows(
+        torch.zeros(40, 4096, dtype=bf16))))
+    out.append(("sampling", sampling))
+    out.append(("grammar bitmask", lambda: triton_bitmask.apply_token_bitmask_(
+        torch.zeros(4, 1000), torch.zeros(2, 32, dtype=torch.int32),
+        torch.tensor([0, 3]))))
+    for rows in (1, 40):
+        out.append((f"LoRA shrink and expand, {rows} rows", lambda t=rows: lora(t)))
+    return out
+
+
+def lora(num_tokens: int) -> None:
+    """Two adapter slots of rank 16 on a [q | k | v] projection (three parts)."""
+    bf16 = torch.bfloat16
+    x, out = torch.zeros(num_tokens, 4096, dtype=bf16), torch.zeros(num_tokens, 6144, dtype=bf16)
+    perm, starts = torch.arange(num_tokens), torch.tensor([0, num_tokens, num_tokens])
+    y = triton_lora.lora_shrink(x, torch.zeros(2, 3 * 16, 4096, dtype=bf16), perm, starts, 3)
+    triton_lora.lora_expand(out, y, torch.zeros(2, 6144, 16, dtype=bf16), perm, starts,
+                            [4096, 5120, 6144])
+
+
+def weight_of(kind: str, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if kind == "fp8":
+        return torch.zeros(n, k, dtype=torch.float8_e4m3fn), torch.ones(n)
+    return torch.zeros(n, k, dtype=torch.bfloat16), None
+
+
+def gemv(kind: str, rows: int) -> None:
+    w, scale = weight_of(kind, 6144, 4096)
+    triton_gemv.skinny_matmul(torch.zeros(rows, 4096, dtype=torch.bfloat16), w, scale)
+
+
+def folds(kind: str, cache: str) -> None:
+    bf16 = torch.bfloat16
+    x = torch.zeros(1, 4096, dtype=bf16)
+    heads, kv_heads, head_dim = 32, 8, 128
+    w, scale = weight_of(kind, (heads + 2 * kv_heads) * head_dim, 4096)
+    rope = triton_gemv.RopeCache(heads, kv_heads, torch.zeros(1, dtype=torch.long),
+                                 torch.zeros(1, dtype=torch.long), torch.zeros(64, head_dim),
+                                 torch.zeros(2, 4, 16, kv_heads, head_dim, dtype=DTYPES[cache]))
+    _, rms = triton_gemv.folded_matmul(x, *weight_of(kind, 4096, 4096),
+                                       residual=torch.zeros(1, 4096, dtype=bf16),
+                                       next_norm=(torch.ones(4096, dtype=bf16), 1e-6))
+    triton_gemv.folded_matmul(rms, w, scale, bias=torch.zeros(w.shape[0], dtype=bf16), rope=rope)
+    triton_gemv.folded_matmul(rms, *weight_of(kind, 2 * 14336, 4096), gated=True)
+
+
+def sampling() -> None:
+    rows, vocab = 4, 128256
+    logits = torch.zeros(rows, vocab)
+    inv_t, seeds = torch.ones(rows), torch.zeros(rows, dtype=torch.long)
+    triton_sampling.row_argmax_logsumexp(logits)
+    thresholds = triton_threshold.row_thresholds(
+        logits, inv_t, torch.full((rows,), 50, dtype=torch.int32), torch.full((rows,), 0.9),
+        torch.zeros(rows))
+    tokens, _, _ = triton_sampling.sample_rows(logits, inv_t, seeds, thresholds=thresholds)
+    triton_top_p.top_p_by_rejection(logits, inv_t, seeds, torch.full((rows,), 0.95),
+                                    torch.zeros(rows, dtype=torch.long), 4)
 
 
 def main() -> int:
+    JITFunction.run = compile_instead
+    triton_pdl.enabled = lambda device: True  # the launches of a CUDA device of sm_90
+    triton_attention._num_sms = triton_gemv._num_sms = lambda device: 132
     failed = 0
-    for (q, cache, fp16_dots), window, alibi in itertools.product(DTYPES, (False, True),
-                                                                   (False, True)):
-        types = {"out_ptr": f"*{q}", "q_ptr": f"*{q}", "cache_ptr": f"*{cache}",
-                 "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32",
-                 "count_ptr": "*i32", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
-                 "query_start_loc_ptr": "*i32", "alibi_ptr": "*fp32", "qk_scale": "fp32"}
-        common = dict(BLOCK_SIZE=16, GROUP=4, HEAD_DIM=128, USE_WINDOW=window, USE_ALIBI=alibi,
-                      DOT_PRECISION="ieee" if q == "fp32" else "tf32", FP16_DOTS=fp16_dots)
-        variants = [(triton_attention._paged_decode_kernel,
-                     dict(GROUP_PAD=16, BLOCK_N=128, NUM_SPLITS=splits, PDL=True), splits)
-                    for splits in (1, 4)]
-        variants.append((triton_attention._paged_prefill_kernel,
-                         dict(GROUP_PAD=4, BLOCK_Q=16, BLOCK_N=64), None))
-        for kernel, launch, splits in variants:
-            label = (f"{kernel.fn.__name__} q {q} cache {cache} fp16 dots {fp16_dots} window "
-                     f"{window} alibi {alibi}" + (f" splits {splits}" if splits else ""))
-            try:
-                to_ttir(kernel, types, dict(common, **launch))
-                print(f"ok      {label}")
-            except CompilationError as e:
-                failed += 1
-                lines = str(e).strip().splitlines()
-                why = next((line for line in lines if "Error(" in line), lines[-1])
-                print(f"FAILED  {label}: {why}")
+    for name, scenario in scenarios():
+        LAUNCHES.clear()
+        try:
+            scenario()
+            print(f"ok      {name}: {', '.join(sorted(set(LAUNCHES)))}")
+        except CompilationError as e:
+            failed += 1
+            # CompilationError(source, node, message), raised again by each caller: the
+            # innermost message names the problem
+            while isinstance(e.__cause__, CompilationError):
+                e = e.__cause__
+            why = e.args[-1] if e.args and isinstance(e.args[-1], str) else repr(e.__cause__ or e)
+            print(f"FAILED  {name}: {why}")
     return 1 if failed else 0
 
 
