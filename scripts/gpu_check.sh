@@ -24,6 +24,11 @@
 #                  sharegpt-fp8 of the same run)
 #   sharegpt-bn64  the default with PAGEDLLM_DECODE_BLOCK_N=64 (decode attention's keys per
 #                  step; the default 128): compare with sharegpt of the same run
+#   sharegpt-w8 sharegpt-bn64-w8 sharegpt-fp8-w8
+#                  decode attention in 8 warps (PAGEDLLM_DECODE_NUM_WARPS=8; the default 4),
+#                  with 128 or 64 keys a step, and the FP8 run so: compiled for sm_90 the
+#                  default spills ~4 KB a thread, these little or nothing
+#                  (scripts/kernel_resources.py); compare with sharegpt / sharegpt-fp8
 #   decode-tune    the decode attention kernel's launch constants over full batches of
 #                  mixed contexts (64, 256, 1,024 sequences; not in the default list)
 #   top-p-bench    one sampling call at T=0.8, top_p=0.95, 256 rows x 128,256 tokens, with
@@ -222,10 +227,14 @@ for fp16_dots in (True, False, True):
 for heads in (32, 16):
     time_decode_mix('cuda', num_heads=heads)"
 for w in sharegpt sharegpt-sort sharegpt-sortfree sharegpt-fp8 sharegpt-profile sharegpt-fp8-profile \
-        sharegpt-bn64 sharegpt-fp8-bf16dots; do
+        sharegpt-bn64 sharegpt-w8 sharegpt-bn64-w8 sharegpt-fp8-w8 sharegpt-fp8-bf16dots; do
     sampler=rejection extra=() env_ab=()
     case $w in
     sharegpt-bn64) env_ab=(PAGEDLLM_DECODE_BLOCK_N=64) ;;
+    sharegpt-w8) env_ab=(PAGEDLLM_DECODE_NUM_WARPS=8) ;;
+    sharegpt-bn64-w8) env_ab=(PAGEDLLM_DECODE_BLOCK_N=64 PAGEDLLM_DECODE_NUM_WARPS=8) ;;
+    sharegpt-fp8-w8) env_ab=(PAGEDLLM_DECODE_NUM_WARPS=8)
+        extra=(--quantization fp8 --kv-cache-dtype fp8) ;;
     sharegpt-fp8-bf16dots) env_ab=(PAGEDLLM_FP8_KV_FP16_DOTS=0)
         extra=(--quantization fp8 --kv-cache-dtype fp8) ;;
     sharegpt-sort) sampler=sort ;;

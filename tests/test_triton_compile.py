@@ -47,3 +47,18 @@ def test_every_triton_kernel_is_checked():
     for path in (ROOT / "pagedllm" / "kernels").glob("triton_*.py"):
         found |= set(re.findall(r"@triton\.jit\ndef (_\w+_kernel)\(", path.read_text()))
     assert found == set(KERNELS)
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"PAGEDLLM_DECODE_NUM_WARPS": "3"}, "PAGEDLLM_DECODE_NUM_WARPS must be 2, 4 or 8, got 3"),
+    ({"PAGEDLLM_DECODE_BLOCK_N": "96"}, "PAGEDLLM_DECODE_BLOCK_N must be 16, 32, 64 or 128, got 96"),
+    ({"PAGEDLLM_DECODE_NUM_WARPS": "8", "PAGEDLLM_DECODE_BLOCK_N": "64"}, "64 8"),
+])
+def test_decode_launch_constants_from_the_environment(env, message):
+    """The A/B variables of the decode kernel's launch (scripts/gpu_check.sh's sharegpt-w8):
+    read at import, a value the kernel cannot take named in the error."""
+    code = ("from pagedllm.kernels import triton_attention as t; "
+            "print(t.DECODE_BLOCK_N, t.DECODE_NUM_WARPS)")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT), **env}, timeout=300)
+    assert message in (run.stdout if run.returncode == 0 else run.stderr)

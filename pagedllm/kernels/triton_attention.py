@@ -45,11 +45,14 @@ _LOG2E_K = tl.constexpr(LOG2E)
 # stages. Module constants so `pagedllm bench kernels --tune` and the tests can change them.
 # Decode takes DECODE_BLOCK_N keys a step where the K and V tiles of every pipeline stage fit
 # in DECODE_TILE_BYTES of shared memory, fewer where not (decode_block_n);
-# PAGEDLLM_DECODE_BLOCK_N sets it for an end-to-end A/B (read once at import).
+# PAGEDLLM_DECODE_BLOCK_N and PAGEDLLM_DECODE_NUM_WARPS set it for an end-to-end A/B (read
+# once at import; scripts/kernel_resources.py shows each choice's registers and spills).
 DECODE_BLOCK_N = int(os.environ.get("PAGEDLLM_DECODE_BLOCK_N", "128"))
 if DECODE_BLOCK_N not in (16, 32, 64, 128):
     raise ValueError(f"PAGEDLLM_DECODE_BLOCK_N must be 16, 32, 64 or 128, got {DECODE_BLOCK_N}")
-DECODE_NUM_WARPS = 4
+DECODE_NUM_WARPS = int(os.environ.get("PAGEDLLM_DECODE_NUM_WARPS", "4"))
+if DECODE_NUM_WARPS not in (2, 4, 8):
+    raise ValueError(f"PAGEDLLM_DECODE_NUM_WARPS must be 2, 4 or 8, got {DECODE_NUM_WARPS}")
 DECODE_NUM_STAGES = 2
 DECODE_TILE_BYTES = 128 << 10  # of the 228 KiB an SM of an H100 / H200 has
 PREFILL_BLOCK_M = 64
