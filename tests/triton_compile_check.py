@@ -29,6 +29,12 @@ except ImportError as e:  # a Triton whose internals moved: nothing to check aga
     print(f"this Triton's compiler API differs: {e}")
     sys.exit(2)
 
+MAKE_IR = ["self", "target", "options", "codegen_fns", "module_map", "context"]
+if list(inspect.signature(ASTSource.make_ir).parameters) != MAKE_IR:
+    print(f"this Triton's compiler API differs: ASTSource.make_ir"
+          f"{inspect.signature(ASTSource.make_ir)}")
+    sys.exit(2)
+
 from pagedllm.kernels import (  # noqa: E402
     triton_attention, triton_bitmask, triton_cache, triton_fp8, triton_gemv, triton_lora,
     triton_ops, triton_pdl, triton_sampling, triton_threshold, triton_top_p,
