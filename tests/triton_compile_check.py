@@ -1,8 +1,8 @@
 """Run by tests/test_triton_compile.py in a process without TRITON_INTERPRET: the Triton
 launches of pagedllm's kernel wrappers go through Triton's front end (Python -> TTIR) for a
 Hopper target instead of running, at exactly the arguments and constexprs each wrapper
-passes. No GPU is needed: the wrappers get CPU tensors, JITFunction.run is replaced by the
-compile, and the CUDA-only launch choices (PDL, the SM count) are set as on an H100.
+passes (pagedllm/benchmarks/triton_launches.py). No GPU is needed: the wrappers get CPU
+tensors.
 
 Prints one line per launch; exit status 1 when any does not compile, 2 when this Triton's
 compiler API is not the one used here."""
@@ -21,7 +21,6 @@ import triton  # noqa: E402
 
 try:
     from triton._C.libtriton import ir
-    from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.compiler.errors import CompilationError
     from triton.runtime.jit import JITFunction
@@ -35,76 +34,31 @@ if list(inspect.signature(ASTSource.make_ir).parameters) != MAKE_IR:
           f"{inspect.signature(ASTSource.make_ir)}")
     sys.exit(2)
 
+from pagedllm.benchmarks.triton_launches import (  # noqa: E402
+    TARGET, compiling_launches, launch_attention,
+)
 from pagedllm.kernels import (  # noqa: E402
     triton_attention, triton_bitmask, triton_cache, triton_fp8, triton_gemv, triton_lora,
-    triton_ops, triton_pdl, triton_sampling, triton_threshold, triton_top_p,
+    triton_ops, triton_sampling, triton_threshold, triton_top_p,
 )
-from pagedllm.kernels.metadata import PagedAttentionInputMetadata  # noqa: E402
-
-TARGET = GPUTarget("cuda", 90, 32)  # H100 / H200
-TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
-         torch.float8_e4m3fn: "fp8e4nv", torch.uint8: "u8", torch.int8: "i8",
-         torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}
-OPTIONS = ("num_warps", "num_stages")
 
 
-def arg_type(value) -> str:
-    if isinstance(value, torch.Tensor):
-        return "*" + TYPES[value.dtype]
-    if isinstance(value, bool):
-        return "i1"
-    if isinstance(value, int):
-        return "i32" if -2**31 <= value < 2**31 else "i64"
-    if isinstance(value, float):
-        return "fp32"
-    raise TypeError(f"no Triton type for {type(value).__name__}")
-
-
-def to_ttir(fn: JITFunction, args: tuple, kwargs: dict) -> None:
-    """The TTIR of fn launched with these arguments (launch options among kwargs)."""
-    signature, constexprs = {}, {}
-    given = dict(zip((p.name for p in fn.params), args))
-    given.update((k, v) for k, v in kwargs.items() if k not in OPTIONS)
-    for p in fn.params:
-        value = given.get(p.name, p.default)
-        if value is inspect.Parameter.empty:
-            raise TypeError(f"{fn.fn.__name__}: no value for {p.name}")
-        if p.is_constexpr or value is None:
-            signature[p.name], constexprs[p.name] = "constexpr", value
-        else:
-            signature[p.name] = arg_type(value)
+def to_ttir(fn: JITFunction, source: ASTSource, options: dict) -> None:
+    """The front end's TTIR of one launch (a `compile` for compiling_launches)."""
     backend = triton.compiler.make_backend(TARGET)
-    options = backend.parse_options({k: v for k, v in kwargs.items() if k in OPTIONS})
+    options = backend.parse_options(options)
     context = ir.context()
     ir.load_dialects(context)
     backend.load_dialects(context)
-    ASTSource(fn, signature, constexprs=constexprs).make_ir(
-        TARGET, options, backend.get_codegen_implementation(options), backend.get_module_map(),
-        context)
-
-
-LAUNCHES: list[str] = []  # the kernels each scenario launched
-
-
-def compile_instead(self: JITFunction, *args, grid, warmup, **kwargs):
-    to_ttir(self, args, kwargs)
-    LAUNCHES.append(self.fn.__name__)
+    source.make_ir(TARGET, options, backend.get_codegen_implementation(options),
+                   backend.get_module_map(), context)
 
 
 def attention(q: str, cache: str, fp16_dots: bool, window: bool, alibi: bool, splits: int | None,
               decode: bool) -> None:
-    heads, kv_heads, head_dim, block = 32, 8, 128, 16
-    seq_lens = [70, 300, 9]
-    query_lens = [1, 1, 1] if decode else [1, 40, 9]
-    tables = [[0, 1, 2, 3, 4], list(range(5, 24)), [24]]
-    meta = PagedAttentionInputMetadata.build(
-        [s - 1 for s in seq_lens], [0] * 3 if decode else [0] * 50, query_lens, seq_lens, tables)
-    query = torch.zeros(sum(query_lens), heads, head_dim, dtype=DTYPES[q])
-    kv_cache = torch.zeros(2, 25, block, kv_heads, head_dim, dtype=DTYPES[cache])
     triton_attention.FP8_KV_FP16_DOTS = fp16_dots
-    triton_attention.triton_paged_attention(
-        query, kv_cache, meta, 0.088, 64 if window else None,
-        torch.ones(heads) if alibi else None, num_splits=splits)
+    launch_attention(DTYPES[q], DTYPES[cache], decode=decode, sliding_window=64 if window else None,
+                     alibi=alibi, num_splits=splits)
 
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
@@ -211,15 +165,12 @@ def sampling() -> None:
 
 
 def main() -> int:
-    JITFunction.run = compile_instead
-    triton_pdl.enabled = lambda device: True  # the launches of a CUDA device of sm_90
-    triton_attention._num_sms = triton_gemv._num_sms = lambda device: 132
     failed = 0
     for name, scenario in scenarios():
-        LAUNCHES.clear()
         try:
-            scenario()
-            print(f"ok      {name}: {', '.join(sorted(set(LAUNCHES)))}")
+            with compiling_launches(to_ttir) as launched:
+                scenario()
+            print(f"ok      {name}: {', '.join(sorted(set(launched)))}")
         except CompilationError as e:
             failed += 1
             # CompilationError(source, node, message), raised again by each caller: the

@@ -1,0 +1,106 @@
+"""Triton launches compiled for an H100 / H200 on any machine, GPU or not.
+
+`compiling_launches(compile)` replaces JITFunction.run for its block: each launch a kernel
+wrapper makes (with CPU tensors) becomes `compile(kernel, source, options)` instead, the
+source built from exactly the arguments and constexprs the wrapper passed, and the CUDA-only
+launch choices (PDL, the SM count) are taken as on an H100. tests/triton_compile_check.py
+runs every kernel's launches through the compiler's front end this way;
+scripts/kernel_resources.py compiles the decode kernel to a cubin and reads its registers.
+
+Import it in a process without TRITON_INTERPRET=1 (else the kernels are the interpreter's
+and nothing compiles). It uses Triton's compiler internals (ASTSource), not a public API.
+"""
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+from pagedllm.kernels import triton_attention, triton_gemv, triton_pdl
+from pagedllm.kernels.metadata import PagedAttentionInputMetadata
+
+TARGET = GPUTarget("cuda", 90, 32)  # H100 / H200
+H100_SMS = 132
+TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
+         torch.float8_e4m3fn: "fp8e4nv", torch.uint8: "u8", torch.int8: "i8",
+         torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}
+OPTIONS = ("num_warps", "num_stages")  # launch keywords that are compile options
+
+Compile = Callable[[JITFunction, ASTSource, dict], None]
+
+
+def arg_type(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return "*" + TYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -2**31 <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no Triton type for {type(value).__name__}")
+
+
+def launch_source(fn: JITFunction, args: tuple, kwargs: dict) -> tuple[ASTSource, dict]:
+    """(the source of fn at this launch's arguments and constexprs, its compile options)."""
+    signature, constexprs = {}, {}
+    given = dict(zip((p.name for p in fn.params), args))
+    given.update((k, v) for k, v in kwargs.items() if k not in OPTIONS)
+    for p in fn.params:
+        value = given.get(p.name, p.default)
+        if value is inspect.Parameter.empty:
+            raise TypeError(f"{fn.fn.__name__}: no value for {p.name}")
+        if p.is_constexpr or value is None:
+            signature[p.name], constexprs[p.name] = "constexpr", value
+        else:
+            signature[p.name] = arg_type(value)
+    options = {k: v for k, v in kwargs.items() if k in OPTIONS}
+    return ASTSource(fn, signature, constexprs=constexprs), options
+
+
+@contextmanager
+def compiling_launches(compile: Compile) -> Iterator[list[str]]:
+    """Inside, Triton launches compile instead of running; yields the launched kernels'
+    names, in order."""
+    launched: list[str] = []
+
+    def run(self: JITFunction, *args, grid, warmup, **kwargs):
+        compile(self, *launch_source(self, args, kwargs))
+        launched.append(self.fn.__name__)
+
+    saved = (JITFunction.run, triton_pdl.enabled, triton_attention._num_sms, triton_gemv._num_sms)
+    JITFunction.run = run
+    triton_pdl.enabled = lambda device: True  # the launches of a device of sm_90
+    triton_attention._num_sms = triton_gemv._num_sms = lambda device: H100_SMS
+    try:
+        yield launched
+    finally:
+        (JITFunction.run, triton_pdl.enabled, triton_attention._num_sms,
+         triton_gemv._num_sms) = saved
+
+
+
+def launch_attention(query_dtype: torch.dtype, cache_dtype: torch.dtype, *, decode: bool = True,
+                     sliding_window: int | None = None, alibi: bool = False,
+                     num_splits: int | None = None) -> None:
+    """triton_paged_attention at Llama-3-8B's attention shape (32 query / 8 KV heads,
+    head_dim 128, blocks of 16 tokens) over sequences of 70, 300 and 9 keys: one query token
+    each (decode), or a decode, a 40-token chunk after cached context and a 9-token prompt."""
+    heads, kv_heads, head_dim, block = 32, 8, 128, 16
+    seq_lens = [70, 300, 9]
+    query_lens = [1, 1, 1] if decode else [1, 40, 9]
+    tables = [list(range(0, 5)), list(range(5, 24)), [24]]
+    positions = [p for s, q in zip(seq_lens, query_lens) for p in range(s - q, s)]
+    slots = [t[p // block] * block + p % block
+             for t, s, q in zip(tables, seq_lens, query_lens) for p in range(s - q, s)]
+    meta = PagedAttentionInputMetadata.build(positions, slots, query_lens, seq_lens, tables)
+    query = torch.zeros(sum(query_lens), heads, head_dim, dtype=query_dtype)
+    kv_cache = torch.zeros(2, 25, block, kv_heads, head_dim, dtype=cache_dtype)
+    triton_attention.triton_paged_attention(query, kv_cache, meta, head_dim ** -0.5,
+                                            sliding_window, torch.ones(heads) if alibi else None,
+                                            num_splits=num_splits)
