@@ -271,7 +271,8 @@ def test_kernel_profile_sorts_kernels_into_the_tables_kinds():
         "nvjet_sm90_tst_128x16_64x11_2x1_v_bz_TNT": 0, "_skinny_kernel": 0,
         "_paged_decode_kernel": 1, "_merge_splits_kernel": 1, "_paged_prefill_kernel": 2,
         "void at::native::(anonymous namespace)::radixSortKVInPlace<...>": 3,
-        "_threshold_kernel": 3, "_check_kernel": 3, "_race_kernel": 3, "_rms_norm_kernel": 4, "_rotary_and_cache_kernel": 4,
+        "_threshold_kernel": 3, "_check_kernel": 3, "_race_kernel": 3,
+        "_rms_norm_kernel": 4, "_rotary_and_cache_kernel": 4,
         "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda>": 5,
         "_expand_kernel": 6,
     }
