@@ -22,6 +22,8 @@
 #                  (PAGEDLLM_FP8_KV_FP16_DOTS=0), at 32 and 16 query heads; then the bf16 cache
 #   sharegpt-fp8-bf16dots  sharegpt-fp8 with PAGEDLLM_FP8_KV_FP16_DOTS=0 (compare with
 #                  sharegpt-fp8 of the same run)
+#   sharegpt-fp8-promoted  sharegpt-fp8 with PAGEDLLM_FP8_FAST_ACCUM=0 (torch._scaled_mm
+#                  promoting its accumulators to fp32; compare with sharegpt-fp8)
 #   sharegpt-bn64  the default with PAGEDLLM_DECODE_BLOCK_N=64 (decode attention's keys per
 #                  step; the default 128): compare with sharegpt of the same run
 #   sharegpt-w8 sharegpt-bn64-w8 sharegpt-fp8-w8
@@ -227,7 +229,8 @@ for fp16_dots in (True, False, True):
 for heads in (32, 16):
     time_decode_mix('cuda', num_heads=heads)"
 for w in sharegpt sharegpt-sort sharegpt-sortfree sharegpt-fp8 sharegpt-profile sharegpt-fp8-profile \
-        sharegpt-bn64 sharegpt-w8 sharegpt-bn64-w8 sharegpt-fp8-w8 sharegpt-fp8-bf16dots; do
+        sharegpt-bn64 sharegpt-w8 sharegpt-bn64-w8 sharegpt-fp8-w8 sharegpt-fp8-bf16dots \
+        sharegpt-fp8-promoted; do
     sampler=rejection extra=() env_ab=()
     case $w in
     sharegpt-bn64) env_ab=(PAGEDLLM_DECODE_BLOCK_N=64) ;;
@@ -236,6 +239,8 @@ for w in sharegpt sharegpt-sort sharegpt-sortfree sharegpt-fp8 sharegpt-profile 
     sharegpt-fp8-w8) env_ab=(PAGEDLLM_DECODE_NUM_WARPS=8)
         extra=(--quantization fp8 --kv-cache-dtype fp8) ;;
     sharegpt-fp8-bf16dots) env_ab=(PAGEDLLM_FP8_KV_FP16_DOTS=0)
+        extra=(--quantization fp8 --kv-cache-dtype fp8) ;;
+    sharegpt-fp8-promoted) env_ab=(PAGEDLLM_FP8_FAST_ACCUM=0)
         extra=(--quantization fp8 --kv-cache-dtype fp8) ;;
     sharegpt-sort) sampler=sort ;;
     sharegpt-sortfree) sampler=sortfree ;;

@@ -1,10 +1,12 @@
 """`pagedllm bench fp8`: FP8 weights (--quantization fp8) at Llama-3-8B's linear shapes.
 
-For each linear (qkv, o, gate_up, down) and batch rows M in (1, 4, 16, 64, 512): the error
+For each linear (qkv, o, gate_up, down) and batch rows M in (1, 4, 16, 64, 256, 512, 2,048,
+8,192; decode batches to prefill chunks): the error
 of FP8Linear against its fp32 emulation (the same quantized operands) and against bf16
 F.linear, and the times (triton.testing.do_bench) of bf16 F.linear, the skinny Triton kernel
 on the FP8 weight (M <= 16), _scaled_mm with per-row activation quantization (the Triton
-quantize_rows kernel + torch._scaled_mm), and what FP8Linear picks; weight GB/s. These are
+quantize_rows kernel + torch._scaled_mm, with fast accumulation and without), and what
+FP8Linear picks; weight GB/s and TFLOP/s. These are
 single eager calls: a Triton launch from Python costs tens of microseconds, so small
 kernels read slow here; decode runs them inside CUDA graphs (scripts/gpu_gemv_tune.py times
 them that way). tests/gpu/test_fp8.py asserts the errors; the end-to-end figures are
@@ -21,7 +23,7 @@ import torch.nn.functional as F
 from pagedllm.entrypoints.usage import Parser
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-ROWS = (1, 4, 16, 64, 512)
+ROWS = (1, 4, 16, 64, 256, 512, 2048, 8192)
 MAX_ERR_VS_EMULATION, MAX_REL_ERR_VS_BF16 = 2e-2, 0.08
 
 
@@ -50,10 +52,21 @@ def errors(linear, fp8, x: torch.Tensor) -> tuple[float, float]:
     return err, ((got - bf16).norm() / bf16.norm()).item()
 
 
+def scaled_mm(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, fast_accum: bool
+              ) -> torch.Tensor:
+    """FP8Linear's many-row path with the accumulation chosen: activations quantized per
+    row (Triton), then torch._scaled_mm."""
+    from pagedllm.kernels import triton_fp8
+
+    xq, xs = triton_fp8.quantize_rows(x)
+    return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=x.dtype,
+                            use_fast_accum=fast_accum)
+
+
 def check_and_time() -> list[dict]:
     import triton.testing
 
-    from pagedllm.kernels import triton_fp8, triton_gemv
+    from pagedllm.kernels import triton_gemv
 
     rows = []
     for name, (n, k) in SHAPES.items():
@@ -64,24 +77,28 @@ def check_and_time() -> list[dict]:
             err, rel_bf16 = errors(linear, fp8, x)
             t_bf16 = triton.testing.do_bench(lambda: F.linear(x, linear.weight))
             t_fp8 = triton.testing.do_bench(lambda: fp8(x))
-            t_scaled = triton.testing.do_bench(
-                lambda: fp8._scaled_mm(*triton_fp8.quantize_rows(x), x.dtype))
+            t_fast, t_slow = (triton.testing.do_bench(lambda: scaled_mm(x, wq, ws, fast))
+                              for fast in (True, False))
             t_skinny = (triton.testing.do_bench(
                 lambda: triton_gemv.skinny_matmul(x, wq, ws.view(-1)))
                 if m <= triton_gemv.MAX_ROWS else None)
             row = {"linear": name, "n": n, "k": k, "m": m, "max_err_vs_emulation": err,
                    "rel_err_vs_bf16": rel_bf16, "bf16_us": t_bf16 * 1e3, "fp8_us": t_fp8 * 1e3,
-                   "scaled_mm_us": t_scaled * 1e3,
+                   "scaled_mm_fast_accum_us": t_fast * 1e3, "scaled_mm_us": t_slow * 1e3,
                    "skinny_us": None if t_skinny is None else t_skinny * 1e3,
                    "fp8_weight_gb_s": n * k / (t_fp8 * 1e-3) / 1e9,
                    "bf16_weight_gb_s": 2 * n * k / (t_bf16 * 1e-3) / 1e9,
+                   "fp8_tflop_s": 2 * m * n * k / (t_fp8 * 1e-3) / 1e12,
+                   "bf16_tflop_s": 2 * m * n * k / (t_bf16 * 1e-3) / 1e12,
                    "ok": err < MAX_ERR_VS_EMULATION and rel_bf16 < MAX_REL_ERR_VS_BF16}
             rows.append(row)
             w8 = "-" if t_skinny is None else f"{t_skinny * 1e3:8.1f}"
-            print(f"{name:8s} m={m:4d}  bf16 {t_bf16 * 1e3:8.1f} us  fp8 {t_fp8 * 1e3:8.1f} us  "
-                  f"(skinny {w8}, scaled_mm {t_scaled * 1e3:8.1f})  speedup "
-                  f"{t_bf16 / t_fp8:5.2f}x  err {err:.1e}  vs bf16 {rel_bf16:.3f}"
-                  f"  {'ok' if row['ok'] else 'FAIL'}", flush=True)
+            print(f"{name:8s} m={m:5d}  bf16 {t_bf16 * 1e3:8.1f} us  fp8 {t_fp8 * 1e3:8.1f} us  "
+                  f"(skinny {w8}, scaled_mm fast {t_fast * 1e3:8.1f} / promoted "
+                  f"{t_slow * 1e3:8.1f})  speedup {t_bf16 / t_fp8:5.2f}x  "
+                  f"{row['bf16_tflop_s']:6.1f} / {row['fp8_tflop_s']:6.1f} TFLOP/s  "
+                  f"err {err:.1e}  vs bf16 {rel_bf16:.3f}  {'ok' if row['ok'] else 'FAIL'}",
+                  flush=True)
         del linear, fp8
         torch.cuda.empty_cache()
     return rows

@@ -24,6 +24,11 @@ if TYPE_CHECKING:
 # kernel; PAGEDLLM_FP8_SMALL_BATCH=0 sends every batch to torch._scaled_mm (to compare the
 # two on a GPU).
 SMALL_BATCH_ROWS = min(int(os.environ.get("PAGEDLLM_FP8_SMALL_BATCH", "16")), 16)
+# torch._scaled_mm's fast accumulation: the tensor cores' FP8 accumulators are not promoted
+# to fp32 every few K steps (vLLM's CUTLASS FP8 kernels do the same on Hopper). The
+# per-row-scaled kernel without it is the slow one (pytorch/pytorch#147971).
+# PAGEDLLM_FP8_FAST_ACCUM=0 promotes (to compare the two on a GPU).
+FAST_ACCUM = os.environ.get("PAGEDLLM_FP8_FAST_ACCUM", "1") != "0"
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 _MIN_SCALE = 1e-12  # an all-zero row gets a tiny scale instead of dividing by zero
@@ -82,7 +87,7 @@ class FP8Linear(nn.Module):
 
     def _scaled_mm(self, xq: torch.Tensor, xs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return torch._scaled_mm(xq, self.qweight.t(), scale_a=xs, scale_b=self.weight_scale,
-                                out_dtype=dtype)
+                                out_dtype=dtype, use_fast_accum=FAST_ACCUM)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8_e4m3"
