@@ -41,6 +41,8 @@
 #   fp8            `pagedllm bench fp8` (FP8 linears at 8B shapes: errors and times), then
 #                  decode-8b and throughput-8b again with --quantization fp8 (compare with
 #                  the bf16 runs of the same call)
+#   nano-profile   `pagedllm bench nano --profile --no-peer`: nano's kernels by kind and the
+#                  host gaps (not in the default list)
 #   nano-sync decode-8b-sync throughput-8b-sync
 #                  the same with --no-async-scheduling (not in the default list: name them
 #                  in GPU_CHECK_STEPS for an on/off comparison in one run)
@@ -181,6 +183,8 @@ for w in $BENCHES; do
         "${peer[@]}" ${extra[@]+"${extra[@]}"}
     [ -f "$WORK/$w.json" ] && { echo "-- $w.json"; cat "$WORK/$w.json"; } >>"$LOGS/bench.log"
 done
+run_step nano-profile 480 "$LOGS/bench.log" $PY "$WORK/bench.py" nano --profile --no-peer \
+    --out "$WORK/nano-profile.json"
 # Structured output at nano's shape, batch 256: half of the requests constrained vs none.
 NANO_SHAPE=(--model qwen3-0.6b --load-format dummy --dtype bfloat16 --device cuda
     --tokenizer "$REPO/.whl/smollm2-tokenizer" --min-input-len 100 --max-input-len 1024
@@ -303,7 +307,7 @@ run_step tp-allreduce 600 "$LOGS/tp.log" $TPRUN "$WORK/bench.py" tp-allreduce --
         echo
         grep -E "^== |KV budget|KV cache:|CUDA graph|Traceback|Error" "$LOGS/bench.log" | cut -c1-160
         for w in $BENCHES decode-8b-fp8 throughput-8b-fp8 decode-8b-nopdl decode-8b-fp8-nopdl decode-8b-nofold decode-8b-fp8-nofold decode-8b-norope decode-8b-fp8-norope sharegpt sharegpt-sortfree \
-                sharegpt-fp8 sharegpt-profile sharegpt-fp8-profile sharegpt-bn64 tp-decode-8b tp-throughput-8b $SPEC_STEPS; do  # each table follows "results:"
+                sharegpt-fp8 sharegpt-profile sharegpt-fp8-profile sharegpt-bn64 nano-profile tp-decode-8b tp-throughput-8b $SPEC_STEPS; do  # each table follows "results:"
             sed -n "/^results: .*\/$w.json/,/^== $w:/p" "$LOGS/bench.log" | sed '1s/^/\n/'
         done
     fi

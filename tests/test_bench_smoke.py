@@ -280,6 +280,20 @@ def test_kernel_profile_sorts_kernels_into_the_tables_kinds():
         name: KINDS[index][0] for name, index in names.items()}
 
 
+def test_idle_gaps_merge_overlapping_kernels_and_bucket_by_length():
+    from pagedllm.benchmarks.kernel_profile import gap_report, idle_gaps
+
+    # Two streams overlap over 0-15 us; then 5 us, 500 us and 3 ms of nothing.
+    spans = [(20.0, 30.0, "b"), (0.0, 10.0, "a"), (5.0, 15.0, "s2"), (530.0, 540.0, "c"),
+             (3540.0, 3550.0, "d")]
+    assert idle_gaps(spans) == [(15.0, 5.0, "b"), (30.0, 500.0, "c"), (540.0, 3000.0, "d")]
+    assert idle_gaps([]) == []
+    lines = gap_report(idle_gaps(spans), 0.0)
+    assert lines[1:5] == ["  0-20 us               1    0.000", "  20-200 us             0    0.000",
+                          "  200-2000 us           1    0.001", "  >= 2000 us            1    0.003"]
+    assert lines[6].split() == ["0.001", "3.00", "d"]  # the longest first
+
+
 def test_sharegpt_lengths_are_seeded_lognormal_with_the_mix_means():
     lengths = workloads.lognormal_lengths(random.Random(0), 1000, 290, 1.0, (4, 2048))
     assert lengths == workloads.lognormal_lengths(random.Random(0), 1000, 290, 1.0, (4, 2048))

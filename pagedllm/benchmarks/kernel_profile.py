@@ -24,6 +24,10 @@ KINDS: tuple[tuple[str, str], ...] = (
 
 
 TOP = 30
+# Idle stretches of the device by length (microseconds): many short ones are launch-bound
+# steps (eager kernels), a few long ones are the host waiting on the device or the reverse.
+GAP_BUCKETS_US = (20, 200, 2000)
+TOP_GAPS = 10
 
 
 def kind_of(kernel: str) -> str:
@@ -57,6 +61,44 @@ def kernel_profile(enabled: bool) -> Iterator[dict[str, float]]:
     print(f"top {TOP} kernels by time (seconds, calls, name):")
     for secs, calls, name in sorted(kernels, reverse=True)[:TOP]:
         print(f"  {secs:8.3f} {calls:8d}  {name[:110]}")
+    print_gaps(prof)
+
+
+def idle_gaps(spans: list[tuple[float, float, str]]) -> list[tuple[float, float, str]]:
+    """The stretches in which no kernel ran, between the first kernel's start and the last
+    one's end: (start, length, the name of the kernel that ends it). `spans` are kernels'
+    (start, end, name) in any order; overlapping ones (several streams) count as one."""
+    gaps: list[tuple[float, float, str]] = []
+    busy_until = None
+    for start, end, name in sorted(spans):
+        if busy_until is not None and start > busy_until:
+            gaps.append((busy_until, start - busy_until, name))
+        busy_until = end if busy_until is None else max(busy_until, end)
+    return gaps
+
+
+def gap_report(gaps: list[tuple[float, float, str]], t0: float) -> list[str]:
+    """Lines: the idle time by length bucket (count, seconds), then the longest gaps (when,
+    in seconds since `t0`, how long, and the kernel after each). Times in microseconds."""
+    edges = (0.0, *GAP_BUCKETS_US, float("inf"))
+    lines = ["device idle gaps by length (count, seconds):"]
+    for low, high in zip(edges, edges[1:]):
+        inside = [length for _, length, _ in gaps if low <= length < high]
+        label = f">= {low:g} us" if high == float("inf") else f"{low:g}-{high:g} us"
+        lines.append(f"  {label:14s} {len(inside):8d} {sum(inside) / 1e6:8.3f}")
+    lines.append(f"the {TOP_GAPS} longest (at s, ms, the kernel after):")
+    for start, length, name in sorted(gaps, key=lambda g: -g[1])[:TOP_GAPS]:
+        lines.append(f"  {(start - t0) / 1e6:8.3f} {length / 1e3:8.2f}  {name[:90]}")
+    return lines
+
+
+def print_gaps(prof) -> None:
+    from torch.autograd import DeviceType
+
+    spans = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+             if e.device_type == DeviceType.CUDA]
+    if spans:
+        print("\n".join(gap_report(idle_gaps(spans), min(s for s, _, _ in spans))))
 
 
 def print_table(seconds: dict[str, float], wall_s: float) -> float:
