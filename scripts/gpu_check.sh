@@ -232,9 +232,9 @@ for fp16_dots in (True, False, True):
         time_decode_mix('cuda', num_heads=heads, kv_dtype=torch.float8_e4m3fn)
 for heads in (32, 16):
     time_decode_mix('cuda', num_heads=heads)"
-for w in sharegpt sharegpt-sort sharegpt-sortfree sharegpt-fp8 sharegpt-profile sharegpt-fp8-profile \
-        sharegpt-bn64 sharegpt-w8 sharegpt-bn64-w8 sharegpt-fp8-w8 sharegpt-fp8-bf16dots \
-        sharegpt-fp8-promoted; do
+for w in sharegpt sharegpt-sort sharegpt-sortfree sharegpt-fp8 sharegpt-fp8-promoted sharegpt-profile \
+        sharegpt-fp8-profile sharegpt-bn64 sharegpt-w8 sharegpt-bn64-w8 sharegpt-fp8-w8 \
+        sharegpt-fp8-bf16dots; do
     sampler=rejection extra=() env_ab=()
     case $w in
     sharegpt-bn64) env_ab=(PAGEDLLM_DECODE_BLOCK_N=64) ;;
