@@ -22,8 +22,8 @@
 #                  (PAGEDLLM_FP8_KV_FP16_DOTS=0), at 32 and 16 query heads; then the bf16 cache
 #   sharegpt-fp8-bf16dots  sharegpt-fp8 with PAGEDLLM_FP8_KV_FP16_DOTS=0 (compare with
 #                  sharegpt-fp8 of the same run)
-#   sharegpt-fp8-fastaccum  sharegpt-fp8 with PAGEDLLM_FP8_FAST_ACCUM=1 (torch._scaled_mm
-#                  without promoting its FP8 accumulators to fp32; compare with sharegpt-fp8)
+#   sharegpt-fp8-promoted  sharegpt-fp8 with PAGEDLLM_FP8_FAST_ACCUM=0 (torch._scaled_mm
+#                  promoting its FP8 accumulators to fp32; compare with sharegpt-fp8)
 #   sharegpt-bn64  the default with PAGEDLLM_DECODE_BLOCK_N=64 (decode attention's keys per
 #                  step; the default 128): compare with sharegpt of the same run
 #   sharegpt-w8 sharegpt-bn64-w8 sharegpt-fp8-w8
@@ -232,7 +232,7 @@ for fp16_dots in (True, False, True):
         time_decode_mix('cuda', num_heads=heads, kv_dtype=torch.float8_e4m3fn)
 for heads in (32, 16):
     time_decode_mix('cuda', num_heads=heads)"
-for w in sharegpt sharegpt-sort sharegpt-sortfree sharegpt-fp8 sharegpt-fp8-fastaccum sharegpt-profile \
+for w in sharegpt sharegpt-sort sharegpt-sortfree sharegpt-fp8 sharegpt-fp8-promoted sharegpt-profile \
         sharegpt-fp8-profile sharegpt-bn64 sharegpt-w8 sharegpt-bn64-w8 sharegpt-fp8-w8 \
         sharegpt-fp8-bf16dots; do
     sampler=rejection extra=() env_ab=()
@@ -244,7 +244,7 @@ for w in sharegpt sharegpt-sort sharegpt-sortfree sharegpt-fp8 sharegpt-fp8-fast
         extra=(--quantization fp8 --kv-cache-dtype fp8) ;;
     sharegpt-fp8-bf16dots) env_ab=(PAGEDLLM_FP8_KV_FP16_DOTS=0)
         extra=(--quantization fp8 --kv-cache-dtype fp8) ;;
-    sharegpt-fp8-fastaccum) env_ab=(PAGEDLLM_FP8_FAST_ACCUM=1)
+    sharegpt-fp8-promoted) env_ab=(PAGEDLLM_FP8_FAST_ACCUM=0)
         extra=(--quantization fp8 --kv-cache-dtype fp8) ;;
     sharegpt-sort) sampler=sort ;;
     sharegpt-sortfree) sampler=sortfree ;;
@@ -307,7 +307,7 @@ run_step tp-allreduce 600 "$LOGS/tp.log" $TPRUN "$WORK/bench.py" tp-allreduce --
         echo
         grep -E "^== |KV budget|KV cache:|CUDA graph|Traceback|Error" "$LOGS/bench.log" | cut -c1-160
         for w in $BENCHES decode-8b-fp8 throughput-8b-fp8 decode-8b-nopdl decode-8b-fp8-nopdl decode-8b-nofold decode-8b-fp8-nofold decode-8b-norope decode-8b-fp8-norope sharegpt sharegpt-sortfree \
-                sharegpt-fp8 sharegpt-profile sharegpt-fp8-profile sharegpt-bn64 nano-profile tp-decode-8b tp-throughput-8b $SPEC_STEPS; do  # each table follows "results:"
+                sharegpt-fp8 sharegpt-fp8-promoted sharegpt-profile sharegpt-fp8-profile sharegpt-bn64 nano-profile tp-decode-8b tp-throughput-8b $SPEC_STEPS; do  # each table follows "results:"
             sed -n "/^results: .*\/$w.json/,/^== $w:/p" "$LOGS/bench.log" | sed '1s/^/\n/'
         done
     fi
