@@ -4,6 +4,8 @@ fused Triton layer kernels against the torch layers (under the interpreter on CP
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -45,6 +47,15 @@ def test_batch_sizes_follow_the_bucket_ladder():
     assert graph_batch_sizes(20) == [1, 2, 4, 8, 16, 20]  # max_num_seqs is always a bucket
     assert graph_batch_sizes(100)[-3:] == [80, 96, 100]
     assert graph_batch_sizes(10_000)[-1] == MAX_GRAPH_BATCH_SIZE
+
+
+@pytest.mark.parametrize("value, expected", [("1024", "1024"), ("0", "must be at least 1")])
+def test_the_graph_cap_moves_with_its_variable(value, expected):
+    code = ("from pagedllm.worker.cuda_graphs import graph_batch_sizes\n"
+            "print(graph_batch_sizes(10_000)[-1])")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env={**os.environ, "PAGEDLLM_MAX_GRAPH_BATCH": value})
+    assert expected in result.stdout + result.stderr
 
 
 def test_batch_sizes_reject_a_bad_limit():

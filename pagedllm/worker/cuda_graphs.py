@@ -45,8 +45,11 @@ _HOST = torch.device("cpu")
 logger = logging.getLogger(__name__)
 
 # Graphs for larger batches cost memory and capture time and save little: at that size the
-# GPU work per step hides the launch overhead.
-MAX_GRAPH_BATCH_SIZE = 512
+# GPU work per step hides the launch overhead. PAGEDLLM_MAX_GRAPH_BATCH moves the cap (an
+# A/B: gpu-check's sharegpt-graphs1024).
+MAX_GRAPH_BATCH_SIZE = int(os.environ.get("PAGEDLLM_MAX_GRAPH_BATCH", "512"))
+if MAX_GRAPH_BATCH_SIZE < 1:
+    raise ValueError(f"PAGEDLLM_MAX_GRAPH_BATCH must be at least 1, got {MAX_GRAPH_BATCH_SIZE}")
 # Device memory of a captured graph itself (its nodes and launch state), beyond the pool its
 # tensors come from, which grows with the layers it launches (docs/benchmarks.md).
 GRAPH_BYTES_PER_LAYER = 256 << 10
