@@ -52,21 +52,10 @@ def errors(linear, fp8, x: torch.Tensor) -> tuple[float, float]:
     return err, ((got - bf16).norm() / bf16.norm()).item()
 
 
-def scaled_mm(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, fast_accum: bool
-              ) -> torch.Tensor:
-    """FP8Linear's many-row path with the accumulation chosen: activations quantized per
-    row (Triton), then torch._scaled_mm."""
-    from pagedllm.kernels import triton_fp8
-
-    xq, xs = triton_fp8.quantize_rows(x)
-    return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=x.dtype,
-                            use_fast_accum=fast_accum)
-
-
 def check_and_time() -> list[dict]:
     import triton.testing
 
-    from pagedllm.kernels import triton_gemv
+    from pagedllm.kernels import triton_fp8, triton_gemv
 
     rows = []
     for name, (n, k) in SHAPES.items():
@@ -77,8 +66,9 @@ def check_and_time() -> list[dict]:
             err, rel_bf16 = errors(linear, fp8, x)
             t_bf16 = triton.testing.do_bench(lambda: F.linear(x, linear.weight))
             t_fp8 = triton.testing.do_bench(lambda: fp8(x))
-            t_fast, t_slow = (triton.testing.do_bench(lambda: scaled_mm(x, wq, ws, fast))
-                              for fast in (True, False))
+            t_fast, t_slow = (triton.testing.do_bench(
+                lambda: fp8._scaled_mm(*triton_fp8.quantize_rows(x), x.dtype, fast_accum=fast))
+                for fast in (True, False))
             t_skinny = (triton.testing.do_bench(
                 lambda: triton_gemv.skinny_matmul(x, wq, ws.view(-1)))
                 if m <= triton_gemv.MAX_ROWS else None)

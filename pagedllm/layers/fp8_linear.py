@@ -86,9 +86,10 @@ class FP8Linear(nn.Module):
         out = out.reshape(*x.shape[:-1], self.out_features)
         return out if self.lora is None else self.lora(x, out)
 
-    def _scaled_mm(self, xq: torch.Tensor, xs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def _scaled_mm(self, xq: torch.Tensor, xs: torch.Tensor, dtype: torch.dtype,
+                   fast_accum: bool = FAST_ACCUM) -> torch.Tensor:
         return torch._scaled_mm(xq, self.qweight.t(), scale_a=xs, scale_b=self.weight_scale,
-                                out_dtype=dtype, use_fast_accum=FAST_ACCUM)
+                                out_dtype=dtype, use_fast_accum=fast_accum)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8_e4m3"
