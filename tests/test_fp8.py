@@ -89,5 +89,71 @@ def test_engine_swaps_the_decoder_linears_after_loading(monkeypatch, tmp_path):
     bf16_bytes = 2 * sum(p.numel() for p in model.parameters())  # embedding, head, norms
     assert llm.engine.worker.weight_bytes == fp8_bytes + bf16_bytes
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    outs = llm.generate([[5, 17, 300, 42, 9] * 4, [100, 200, 300]], params, use_tqdm=False)
+    prompts = [[5, 17, 300, 42, 9] * 4, [100, 200, 300]]
+    outs = llm.generate(prompts, params, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+    # every norm and activation in front of an FP8 linear hands on quantized rows (the
+    # prompt step has 23 rows, past the small-batch kernel's 16); the same tokens without
+    fused = [m for m in model.modules() if getattr(m, "fp8_out", False)]
+    assert len(fused) == 3 * 2
+    for m in fused:
+        m.fp8_out = False
+    unfused = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in unfused] == [o.outputs[0].token_ids for o in outs]
+
+
+def dequantized(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_fused_norm_quantization_matches_norm_then_quantize(with_residual):
+    """The RMSNorm kernel that hands an FP8 linear its rows quantized (Triton, interpreted)
+    against the plain kernel followed by the quantization: the same scales and values, to
+    one E4M3 step; the residual stream as the plain kernel's."""
+    from pagedllm.kernels import triton_ops
+
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(20, 96, generator=g) * 3).to(torch.bfloat16)
+    x[7] = 0.0  # an all-zero row gets the tiny scale, not a division by zero
+    residual = torch.randn(20, 96, generator=g).to(torch.bfloat16) if with_residual else None
+    weight = torch.rand(96, generator=g).to(torch.bfloat16) + 0.5
+    q, scale, residual_out = triton_ops.triton_rms_norm_fp8(x, weight, 1e-6, residual)
+    plain = triton_ops.triton_rms_norm(x, weight, 1e-6, residual)
+    normed = plain[0] if with_residual else plain
+    want_q, want_scale = quantize_rows(normed)
+    assert q.dtype == FP8 and q.shape == (20, 96) and scale.shape == (20, 1)
+    torch.testing.assert_close(scale, want_scale, rtol=1e-6, atol=0)
+    step = want_scale * 2.0 ** -9 + normed.float().abs() * 2.0 ** -3  # one E4M3 step
+    assert ((dequantized(q, scale) - dequantized(want_q, want_scale)).abs() <= step).all()
+    assert ((dequantized(q, scale) - normed.float()).abs() <= step).all()
+    if with_residual:
+        torch.testing.assert_close(residual_out, plain[1], rtol=0, atol=0)
+    else:
+        assert residual_out is None
+
+
+def test_fused_silu_quantization_matches_silu_then_quantize():
+    """SiLU-and-mul handing on FP8 rows (its two passes over a row wider than its block)
+    against the plain kernel followed by the quantization."""
+    from pagedllm.kernels import triton_ops
+
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(18, 2 * 5000, generator=g) * 4).to(torch.bfloat16)
+    q, scale = triton_ops.triton_silu_and_mul_fp8(x)
+    plain = triton_ops.triton_silu_and_mul(x)
+    want_q, want_scale = quantize_rows(plain)
+    assert q.dtype == FP8 and q.shape == (18, 5000)
+    torch.testing.assert_close(scale, want_scale, rtol=1e-6, atol=0)
+    step = want_scale * 2.0 ** -9 + plain.float().abs() * 2.0 ** -3
+    assert ((dequantized(q, scale) - dequantized(want_q, want_scale)).abs() <= step).all()
+
+
+def test_fp8_linear_takes_rows_quantized_before_it():
+    """FP8Rows into an FP8Linear: what the linear computes from the same activations."""
+    torch.manual_seed(0)
+    fp8 = FP8Linear.from_linear(nn.Linear(64, 48, bias=True).to(torch.bfloat16))
+    x = torch.randn(2, 20, 64).to(torch.bfloat16)
+    got = fp8(fp8_linear.FP8Rows.quantize(x))
+    assert got.shape == (2, 20, 48)
+    torch.testing.assert_close(got, fp8(x), rtol=1e-2, atol=1e-2)

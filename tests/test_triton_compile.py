@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 KERNELS = ("_apply_bitmask_kernel _check_kernel _expand_kernel _paged_decode_kernel "
            "_paged_prefill_kernel _quantize_rows_kernel _race_kernel _reshape_and_cache_kernel "
            "_rms_norm_kernel _rotary_and_cache_kernel _rotary_neox_kernel _row_stats_kernel "
-           "_row_threshold_kernel _shrink_kernel _silu_and_mul_kernel _skinny_kernel").split()
+           "_row_threshold_kernel _shrink_kernel _silu_and_mul_fp8_kernel _silu_and_mul_kernel "
+           "_skinny_kernel").split()
 
 
 def test_triton_kernels_compile_for_hopper():

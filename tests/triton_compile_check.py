@@ -104,8 +104,13 @@ def scenarios() -> list[tuple[str, Callable[[], None]]]:
     for weight, cache in itertools.product(("bf16", "fp8"), ("bf16", "fp8")):
         out.append((f"one-row folds, {weight} weight, {cache} cache",
                     lambda w=weight, c=cache: folds(w, c)))
-    out.append(("FP8 activation rows", lambda: triton_fp8.quantize_rows(
-        torch.zeros(40, 4096, dtype=bf16))))
+    def fp8_rows():
+        x = torch.zeros(40, 4096, dtype=bf16)
+        triton_fp8.quantize_rows(x)
+        triton_ops.triton_rms_norm_fp8(x, torch.ones(4096, dtype=bf16), 1e-6)
+        triton_ops.triton_rms_norm_fp8(x, torch.ones(4096, dtype=bf16), 1e-6, residual=x.clone())
+        triton_ops.triton_silu_and_mul_fp8(torch.zeros(40, 2 * 14336, dtype=bf16))
+    out.append(("FP8 activation rows (alone, after RMSNorm, after SiLU-and-mul)", fp8_rows))
     out.append(("sampling", sampling))
     out.append(("grammar bitmask", lambda: triton_bitmask.apply_token_bitmask_(
         torch.zeros(4, 1000), torch.zeros(2, 32, dtype=torch.int32),

@@ -1,6 +1,8 @@
 """Per-row dynamic FP8 E4M3 quantization on CUDA (layers/fp8_linear.py): the scales and the
 FP8 rows of the activations for torch._scaled_mm, in one pass over x instead of six torch
-ops. (Small batches multiply the FP8 weight directly: kernels/triton_gemv.py.)
+ops. (Small batches multiply the FP8 weight directly: kernels/triton_gemv.py.) The RMSNorm
+and SiLU-and-mul kernels quantize their own output rows the same way (e4m3_bits) when an
+FP8 linear alone reads them (kernels/triton_ops.py), saving this kernel's pass.
 
 It runs under TRITON_INTERPRET=1 on the CPU for the tests. The interpreter's fp32 -> fp8
 conversion mis-rounds values just below a power of two, so quantize_rows rounds to the E4M3
@@ -32,6 +34,20 @@ def _round_to_e4m3(v):
 
 
 @triton.jit
+def row_scale(amax):
+    """The scale of a row whose largest |value| is amax: amax / 448, never 0."""
+    return tl.maximum(amax / 448.0, 1e-12)
+
+
+@triton.jit
+def e4m3_bits(v, scale):
+    """v / scale (fp32) clamped to +-448 and rounded to E4M3, as uint8 bits (stored into a
+    uint8 view of the float8_e4m3fn tensor)."""
+    q = tl.minimum(tl.maximum(v / scale, -448.0), 448.0)
+    return _round_to_e4m3(q).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+
+
+@triton.jit
 def _quantize_rows_kernel(out_ptr, scale_ptr, x_ptr, K, stride_x, stride_o,
                           BLOCK_K: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -40,13 +56,11 @@ def _quantize_rows_kernel(out_ptr, scale_ptr, x_ptr, K, stride_x, stride_o,
     for k0 in range(0, K, BLOCK_K):
         v = tl.load(x_ptr + row * stride_x + k0 + rk, mask=k0 + rk < K, other=0.0)
         amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
-    scale = tl.maximum(tl.max(amax, 0) / 448.0, 1e-12)
+    scale = row_scale(tl.max(amax, 0))
     tl.store(scale_ptr + row, scale)
     for k0 in range(0, K, BLOCK_K):
         v = tl.load(x_ptr + row * stride_x + k0 + rk, mask=k0 + rk < K, other=0.0)
-        q = tl.minimum(tl.maximum(v.to(tl.float32) / scale, -448.0), 448.0)
-        q = _round_to_e4m3(q).to(tl.float8e4nv)
-        tl.store(out_ptr + row * stride_o + k0 + rk, q.to(tl.uint8, bitcast=True),
+        tl.store(out_ptr + row * stride_o + k0 + rk, e4m3_bits(v.to(tl.float32), scale),
                  mask=k0 + rk < K)
 
 

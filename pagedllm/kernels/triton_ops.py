@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from pagedllm.kernels import triton_pdl
+from pagedllm.kernels import triton_fp8, triton_pdl
 
 
 # --------------------------------------------------------------------------------------
@@ -21,12 +21,14 @@ from pagedllm.kernels import triton_pdl
 
 @triton.jit
 def _rms_norm_kernel(
-    out_ptr, residual_out_ptr, x_ptr, residual_ptr, weight_ptr,
+    out_ptr, scale_ptr, residual_out_ptr, x_ptr, residual_ptr, weight_ptr,
     stride_x, stride_xh, heads, stride_r, stride_o, stride_ro, n_cols, eps,
-    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
+    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, FP8_OUT: tl.constexpr, PDL: tl.constexpr,
 ):
     """Row `row` of x is (row // heads, row % heads) of a [tokens, heads, n_cols] view
-    (heads = 1: plain rows): per-head norms read q and k in place inside the fused qkv."""
+    (heads = 1: plain rows): per-head norms read q and k in place inside the fused qkv.
+    FP8_OUT: the output row (rounded to x's dtype first) is stored quantized to E4M3 bits
+    with its scale, as kernels/triton_fp8.quantize_rows would quantize it."""
     if PDL:  # before any read of an earlier kernel's output, any write (kernels/triton_pdl.py)
         gdc_wait()
         gdc_launch_dependents()
@@ -43,7 +45,13 @@ def _rms_norm_kernel(
     inv_rms = tl.rsqrt(tl.sum(x * x, 0) / n_cols + eps)
     normed = (x * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    out = (normed * w).to(x_ptr.dtype.element_ty)
+    if FP8_OUT:  # masked columns are 0: they leave the row's max alone
+        out = out.to(tl.float32)
+        scale = triton_fp8.row_scale(tl.max(tl.abs(out), 0))
+        tl.store(scale_ptr + row, scale)
+        out = triton_fp8.e4m3_bits(out, scale)
+    tl.store(out_ptr + row * stride_o + cols, out, mask=mask)
 
 
 def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -61,38 +69,70 @@ def triton_rms_norm(
     residual: torch.Tensor | None = None,  # same shape as x
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm(x) * weight; with `residual`, first x = x + residual and return (normed, x)."""
+    out, _, residual_out = _rms_norm(x, weight, eps, residual, fp8_out=False)
+    return out if residual is None else (out, residual_out)
+
+
+def triton_rms_norm_fp8(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """triton_rms_norm with its output quantized per row for an FP8 linear: (float8_e4m3fn
+    [rows, hidden], fp32 scales [rows, 1], x + residual or None)."""
+    return _rms_norm(x, weight, eps, residual, fp8_out=True)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+              residual: torch.Tensor | None, fp8_out: bool):
+    """(out, fp8 scales or None, residual out or None)."""
     hidden = x.shape[-1] if x.dim() else 0
     if tuple(weight.shape) != (hidden,):
         raise ValueError(f"weight must have shape ({hidden},), got {tuple(weight.shape)}")
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"residual shape {tuple(residual.shape)} does not match x shape {tuple(x.shape)}")
-    if x.dim() == 3 and x.stride(-1) == 1 and residual is None:  # no copy of a strided view
-        x2, strides = x, (x.stride(0), x.stride(1), x.shape[1])
+    if x.dim() == 3 and x.stride(-1) == 1 and residual is None and not fp8_out:
+        x2, strides = x, (x.stride(0), x.stride(1), x.shape[1])  # no copy of a strided view
     else:
         x2 = _rows(x, "x")
         strides = (x2.stride(0), 0, 1)
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    out2 = out.view(-1, hidden)
+    rows = x.numel() // hidden if hidden else 0
+    if fp8_out:
+        out2 = torch.empty(rows, hidden, dtype=torch.uint8, device=x.device)
+        scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    else:
+        out2, scale = torch.empty(x.shape, dtype=x.dtype, device=x.device), None
     if residual is not None:
         r2 = _rows(residual.to(x.dtype), "residual")
-        residual_out = torch.empty_like(out)
+        residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         ro2 = residual_out.view(-1, hidden)
     else:
-        r2 = ro2 = residual_out = x2  # unused
-    if out2.shape[0]:
+        r2 = ro2 = x2  # unused
+        residual_out = None
+    if rows:
+        out_rows = out2.view(-1, hidden)
         block = triton.next_power_of_2(hidden)
-        _rms_norm_kernel[(out2.shape[0],)](
-            out2, ro2, x2, r2, weight,
-            *strides, r2.stride(0), out2.stride(0), ro2.stride(0), hidden, eps,
-            BLOCK=block, HAS_RESIDUAL=residual is not None,
+        _rms_norm_kernel[(rows,)](
+            out_rows, out_rows if scale is None else scale, ro2, x2, r2, weight,
+            *strides, r2.stride(0), out_rows.stride(0), ro2.stride(0), hidden, eps,
+            BLOCK=block, HAS_RESIDUAL=residual is not None, FP8_OUT=fp8_out,
             num_warps=min(16, max(1, block // 256)), **triton_pdl.launch_kwargs(x.device),
         )
-    return out if residual is None else (out, residual_out)
+    if fp8_out:
+        out2 = out2.view(torch.float8_e4m3fn)
+    return out2, scale, residual_out
 
 
 # --------------------------------------------------------------------------------------
 # SiLU-and-mul: the gated MLP activation, silu(gate) * up on a fused [gate | up] projection
 # --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _silu_mul(x_ptr, row, stride_x, d, cols, mask):
+    """silu(gate) * up at columns cols of one row, rounded to x's dtype."""
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0).to(tl.float32)
+    act = (gate * tl.sigmoid(gate)).to(x_ptr.dtype.element_ty).to(tl.float32)
+    return (act * up).to(x_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -104,18 +144,44 @@ def _silu_and_mul_kernel(out_ptr, x_ptr, stride_x, stride_o, d, BLOCK: tl.conste
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0).to(tl.float32)
-    act = (gate * tl.sigmoid(gate)).to(x_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * stride_o + cols, _silu_mul(x_ptr, row, stride_x, d, cols, mask),
+             mask=mask)
+
+
+@triton.jit
+def _silu_and_mul_fp8_kernel(out_ptr, scale_ptr, x_ptr, stride_x, stride_o, d,
+                             BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """One program per row, quantized as kernels/triton_fp8.quantize_rows would quantize
+    the plain kernel's output: a pass for the row's max, a second to store (its inputs
+    then come from L2)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    row = tl.program_id(0).to(tl.int64)
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for c0 in range(0, d, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        v = _silu_mul(x_ptr, row, stride_x, d, cols, cols < d)
+        amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
+    scale = triton_fp8.row_scale(tl.max(amax, 0))
+    tl.store(scale_ptr + row, scale)
+    for c0 in range(0, d, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        v = _silu_mul(x_ptr, row, stride_x, d, cols, cols < d)
+        tl.store(out_ptr + row * stride_o + cols, triton_fp8.e4m3_bits(v.to(tl.float32), scale),
+                 mask=cols < d)
+
+
+def _gated_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """[..., 2 * d] as 2-D rows, and d."""
+    if x.dim() == 0 or x.shape[-1] % 2:
+        raise ValueError(f"silu_and_mul needs an even last dimension, got shape {tuple(x.shape)}")
+    return _rows(x, "x"), x.shape[-1] // 2
 
 
 def triton_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[..., 2 * d] -> [..., d]: silu(x[..., :d]) * x[..., d:]."""
-    if x.dim() == 0 or x.shape[-1] % 2:
-        raise ValueError(f"silu_and_mul needs an even last dimension, got shape {tuple(x.shape)}")
-    d = x.shape[-1] // 2
-    x2 = _rows(x, "x")
+    x2, d = _gated_rows(x)
     out = torch.empty(*x.shape[:-1], d, dtype=x.dtype, device=x.device)
     out2 = out.view(-1, d)
     if x2.shape[0] and d:
@@ -125,6 +191,21 @@ def triton_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
             **triton_pdl.launch_kwargs(x.device),
         )
     return out
+
+
+def triton_silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """triton_silu_and_mul with its output quantized per row for an FP8 linear:
+    (float8_e4m3fn [rows, d], fp32 scales [rows, 1])."""
+    x2, d = _gated_rows(x)
+    out = torch.empty(x2.shape[0], d, dtype=torch.uint8, device=x.device)
+    scale = torch.empty(x2.shape[0], 1, dtype=torch.float32, device=x.device)
+    if x2.shape[0] and d:
+        _silu_and_mul_fp8_kernel[(x2.shape[0],)](
+            out, scale, x2, x2.stride(0), out.stride(0), d,
+            BLOCK=min(4096, triton.next_power_of_2(d)), num_warps=8,
+            **triton_pdl.launch_kwargs(x.device),
+        )
+    return out.view(torch.float8_e4m3fn), scale
 
 
 # --------------------------------------------------------------------------------------

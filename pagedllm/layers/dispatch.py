@@ -24,6 +24,7 @@ from torch import nn
 from pagedllm.kernels import cpu as cpu_kernels
 from pagedllm.kernels import reference
 from pagedllm.kernels.metadata import PagedAttentionInputMetadata
+from pagedllm.layers.fp8_linear import FP8Rows
 
 
 class TorchBackend:
@@ -38,6 +39,17 @@ class TorchBackend:
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return reference.silu_and_mul(x)
+
+    # The two layers that can hand an FP8 linear its input quantized
+    # (layers/fp8_linear.py): here the plain layer, then the quantization.
+    def rms_norm_fp8(self, x, weight, eps, residual=None):
+        out = self.rms_norm(x, weight, eps, residual)
+        if residual is None:
+            return FP8Rows.quantize(out)
+        return FP8Rows.quantize(out[0]), out[1]
+
+    def silu_and_mul_fp8(self, x):
+        return FP8Rows.quantize(self.silu_and_mul(x))
 
     def rotary_embedding(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                          rope: Any, meta: PagedAttentionInputMetadata | None):
@@ -132,6 +144,19 @@ class TritonBackend(TorchBackend):
         from pagedllm.kernels.triton_ops import triton_silu_and_mul
 
         return triton_silu_and_mul(x)
+
+    def rms_norm_fp8(self, x, weight, eps, residual=None):
+        from pagedllm.kernels.triton_ops import triton_rms_norm_fp8
+
+        q, scale, residual_out = triton_rms_norm_fp8(x, weight, eps, residual)
+        rows = FP8Rows(q, scale, x.dtype, x.shape)
+        return rows if residual is None else (rows, residual_out)
+
+    def silu_and_mul_fp8(self, x):
+        from pagedllm.kernels.triton_ops import triton_silu_and_mul_fp8
+
+        q, scale = triton_silu_and_mul_fp8(x)
+        return FP8Rows(q, scale, x.dtype, torch.Size((*x.shape[:-1], x.shape[-1] // 2)))
 
     def rotary_embedding(self, positions, q, k, rope, meta):
         if q.stride(-1) != 1 or k.stride(-1) != 1:

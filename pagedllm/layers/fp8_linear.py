@@ -8,10 +8,16 @@ Each decoder linear's weight is stored in FP8 E4M3 with one fp32 scale per outpu
       and torch._scaled_mm multiplies FP8 x FP8 on the tensor cores, both scales applied to
       its fp32 accumulators, output bf16: vLLM's dynamic FP8 scheme.
 The LM head stays bf16. On the CPU (tests) the second form runs with torch ops.
+
+Where an FP8 linear alone reads the output of an RMSNorm or of SiLU-and-mul (a decoder
+layer's qkv, gate_up and down projections), that layer quantizes its own output rows in the
+same kernel and hands FP8Rows on (fuse_input_quantization): the quantization pass over the
+activations, a kernel per linear, is gone. PAGEDLLM_FP8_FUSED_QUANT=0 turns it off.
 """
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,6 +36,7 @@ SMALL_BATCH_ROWS = min(int(os.environ.get("PAGEDLLM_FP8_SMALL_BATCH", "16")), 16
 # measured in docs/benchmarks.md), and the FP8 tests' error bounds hold either way.
 # PAGEDLLM_FP8_FAST_ACCUM=0 promotes (gpu-check's sharegpt-fp8-promoted, an A/B).
 FAST_ACCUM = os.environ.get("PAGEDLLM_FP8_FAST_ACCUM", "1") != "0"
+FUSE_INPUT_QUANT = os.environ.get("PAGEDLLM_FP8_FUSED_QUANT", "1") != "0"
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 _MIN_SCALE = 1e-12  # an all-zero row gets a tiny scale instead of dividing by zero
@@ -40,6 +47,26 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xf = x.float()
     scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_(min=_MIN_SCALE)
     return (xf / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+@dataclass(frozen=True)
+class FP8Rows:
+    """Activations quantized per row for an FP8Linear by the layer that computed them:
+    x ~= q * scale."""
+    q: torch.Tensor  # [rows, K] float8_e4m3fn
+    scale: torch.Tensor  # [rows, 1] fp32
+    dtype: torch.dtype  # of x: the linear's output dtype
+    shape: torch.Size  # of x
+
+    @classmethod
+    def quantize(cls, x: torch.Tensor) -> "FP8Rows":
+        return cls(*quantize_rows(x.reshape(-1, x.shape[-1])), x.dtype, x.shape)
+
+
+def takes_fp8_rows(x: torch.Tensor) -> bool:
+    """Whether an FP8Linear would quantize x's rows itself: every batch but the small ones,
+    which the weight-only kernel multiplies in x's dtype."""
+    return x.numel() > SMALL_BATCH_ROWS * x.shape[-1]
 
 
 def fp8_matmul_reference(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor
@@ -70,21 +97,24 @@ class FP8Linear(nn.Module):
         bias = None if linear.bias is None else linear.bias.detach()
         return cls(qweight, scale.view(-1), bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if not x.is_cuda:
-            out = self._scaled_mm(*quantize_rows(rows), x.dtype)
+    def forward(self, x: "torch.Tensor | FP8Rows") -> torch.Tensor:
+        if isinstance(x, FP8Rows):  # quantized by the layer before (then without LoRA)
+            out = self._scaled_mm(x.q, x.scale, x.dtype)
         else:
-            from pagedllm.kernels import triton_fp8, triton_gemv  # Triton only where it runs
-
-            if rows.shape[0] <= SMALL_BATCH_ROWS:
-                out = triton_gemv.skinny_matmul(rows, self.qweight, self.weight_scale.view(-1))
-            else:
-                out = self._scaled_mm(*triton_fp8.quantize_rows(rows), x.dtype)
+            out = self._matmul(x.reshape(-1, self.in_features))
         if self.bias is not None:
             out = out + self.bias
         out = out.reshape(*x.shape[:-1], self.out_features)
         return out if self.lora is None else self.lora(x, out)
+
+    def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        if not rows.is_cuda:
+            return self._scaled_mm(*quantize_rows(rows), rows.dtype)
+        from pagedllm.kernels import triton_fp8, triton_gemv  # Triton only where it runs
+
+        if rows.shape[0] <= SMALL_BATCH_ROWS:
+            return triton_gemv.skinny_matmul(rows, self.qweight, self.weight_scale.view(-1))
+        return self._scaled_mm(*triton_fp8.quantize_rows(rows), rows.dtype)
 
     def _scaled_mm(self, xq: torch.Tensor, xs: torch.Tensor, dtype: torch.dtype,
                    fast_accum: bool = FAST_ACCUM) -> torch.Tensor:
@@ -109,3 +139,17 @@ def quantize_linears(model: nn.Module, skip: tuple[str, ...] = ()) -> int:
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, FP8Linear.from_linear(m))
     return len(swaps)
+
+
+def fuse_input_quantization(model: nn.Module) -> int:
+    """Let every layer whose output only an FP8Linear (without LoRA) reads quantize that
+    output itself (its `fp8_out`): the pairs come from the modules' `fp8_input_pairs()`.
+    The number of layers set."""
+    fused = 0
+    for module in model.modules():
+        pairs = getattr(module, "fp8_input_pairs", None)
+        for producer, consumer in pairs() if pairs is not None else ():
+            if type(consumer) is FP8Linear and consumer.lora is None:
+                producer.fp8_out = True
+                fused += 1
+    return fused

@@ -129,6 +129,13 @@ class LlamaDecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
+    def fp8_input_pairs(self) -> list[tuple[nn.Module, nn.Module]]:
+        """(layer, the linear that alone reads its output): where an FP8 linear's input
+        quantization can move into the layer before it (layers/fp8_linear.py)."""
+        return [(self.input_layernorm, self.self_attn.qkv_proj),
+                (self.post_attention_layernorm, self.mlp.gate_up_proj),
+                (self.mlp.act, self.mlp.down_proj)]
+
     def forward_folded(self, x: torch.Tensor | RmsInput, residual: torch.Tensor,
                        kv_cache: torch.Tensor, meta: PagedAttentionInputMetadata,
                        next_norm: RMSNorm | None, fold_rope: bool

@@ -124,3 +124,9 @@ def describe_gguf(model: nn.Module) -> str:
 def quantize_fp8(model: nn.Module) -> int:
     """Replace every decoder linear (not the LM head) by its FP8 version, after loading."""
     return fp8_linear.quantize_linears(model, skip=("lm_head",))
+
+
+def fuse_fp8_input_quantization(model: nn.Module) -> int:
+    """After LoRA is attached (it needs the FP8 linears' inputs unquantized): the norms and
+    activations in front of FP8 linears quantize their outputs (layers/fp8_linear.py)."""
+    return fp8_linear.fuse_input_quantization(model) if fp8_linear.FUSE_INPUT_QUANT else 0

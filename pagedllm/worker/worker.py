@@ -34,7 +34,8 @@ from pagedllm.contract import GrammarMasks, StepBatch, StepResult, WorkerInfo
 from pagedllm.worker.lora_manager import WorkerLoRA
 from pagedllm.worker.model_runner import ModelRunner, PendingStep
 from pagedllm.worker.quantization import (
-    describe_gguf, pack_gguf_modules, quantize_fp8, resolve_quantization,
+    describe_gguf, fuse_fp8_input_quantization, pack_gguf_modules, quantize_fp8,
+    resolve_quantization,
 )
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,9 @@ class Worker:
                                   self.device_map.layer_devices, self.logits_device)
         self.lora = WorkerLoRA(self.model, args.max_loras, args.max_lora_rank) \
             if args.enable_lora else None
+        if self.quantization == "fp8":
+            logger.info("%d FP8 input quantizations fused into the layers before them",
+                        fuse_fp8_input_quantization(self.model))
         self.draft_cache_engine = None
         spec = args.speculative_config
         draft = None
