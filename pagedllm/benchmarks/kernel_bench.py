@@ -19,6 +19,7 @@ a peer.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -430,34 +431,42 @@ def time_top_p(device: str, rows: int = 256, vocab: int = 128256) -> None:
             print(f"  {label:<20} std {std:<4} " + "  ".join(f"{t:8.3f}" for t in times))
 
 
-def tune_decode_mix(device: str, batches=(64, 256, 1024), block_ns=(16, 32, 64, 128),
-                    warps_list=(2, 4, 8), stages_list=(1, 2, 3, 4)) -> None:
+def tune_decode_mix(device: str, heads=(32, 16), batches=(64, 256, 1024),
+                    block_ns=(64, 128), warps_list=(4, 8), stages_list=(1, 2, 3)) -> None:
     """The decode kernel's launch constants over full batches of mixed contexts (the
-    ShareGPT-like mix's decode steps): ms per call at each batch size."""
-    shape = Shape()
-    batches = [build_batch(lens, [1] * len(lens), shape, device, poison=False)
-               for lens in (mix_lengths(n) for n in batches)]
-    print("\ndecode launch constants over mixed contexts (ms at " +
-          ", ".join(f"{b.meta.num_seqs} seqs" for b in batches) + ")")
+    ShareGPT-like mix's decode steps): ms per call and the KV bytes' GB/s at each batch
+    size, for each query head count over 8 KV heads (32: Llama-3-8B, 16: nano's Qwen3)."""
     saved = (triton_attention.DECODE_BLOCK_N, triton_attention.DECODE_NUM_WARPS,
              triton_attention.DECODE_NUM_STAGES)
     try:
-        for block_n in block_ns:
-            for warps in warps_list:
-                for stages in stages_list:
-                    (triton_attention.DECODE_BLOCK_N, triton_attention.DECODE_NUM_WARPS,
-                     triton_attention.DECODE_NUM_STAGES) = block_n, warps, stages
-                    try:
-                        times = "  ".join(f"{bench(lambda b=b: triton_paged_attention(b.query, b.kv_cache, b.meta, b.scale)):.3f}"
-                                          for b in batches)
-                    except Exception as e:  # e.g. out of shared memory for this tile
-                        times = f"{type(e).__name__}: {str(e)[:60]}"
-                    used = triton_attention.decode_block_n(shape.head_dim, shape.dtype.itemsize)
-                    print(f"  BLOCK_N={block_n:<4} (runs {used:<3}) warps={warps} "
-                          f"stages={stages}: {times}")
+        for num_heads in heads:
+            shape = Shape(num_heads=num_heads)
+            batches_ = [build_batch(lens, [1] * len(lens), shape, device, poison=False)
+                        for lens in (mix_lengths(n) for n in batches)]
+            print(f"\ndecode launch constants over mixed contexts, {num_heads} / "
+                  f"{shape.num_kv_heads} heads (ms and GB/s at "
+                  + ", ".join(f"{b.meta.num_seqs} seqs" for b in batches_) + ")")
+            for config in itertools.product(block_ns, warps_list, stages_list):
+                (triton_attention.DECODE_BLOCK_N, triton_attention.DECODE_NUM_WARPS,
+                 triton_attention.DECODE_NUM_STAGES) = config
+                print(f"  BLOCK_N={config[0]:<4} (runs {triton_attention.decode_block_n(shape.head_dim, shape.dtype.itemsize):<3}) "
+                      f"warps={config[1]} stages={config[2]}: {_decode_times(batches_, shape)}")
     finally:
         (triton_attention.DECODE_BLOCK_N, triton_attention.DECODE_NUM_WARPS,
          triton_attention.DECODE_NUM_STAGES) = saved
+
+
+def _decode_times(batches: list[Batch], shape: Shape) -> str:
+    """'ms (GB/s)' of one decode call per batch, or the error of a launch that fails."""
+    shown = []
+    for b in batches:
+        try:
+            ms = bench(lambda: triton_paged_attention(b.query, b.kv_cache, b.meta, b.scale))
+        except Exception as e:  # e.g. out of shared memory for this tile
+            return f"{type(e).__name__}: {str(e)[:60]}"
+        kv_bytes = sum(b.seq_lens) * shape.num_kv_heads * shape.head_dim * 2 * shape.dtype.itemsize
+        shown.append(f"{ms:.3f} ({kv_bytes / ms / 1e6:.0f})")
+    return "  ".join(shown)
 
 
 def tune(device: str) -> None:
