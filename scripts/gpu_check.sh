@@ -27,6 +27,9 @@
 #   sharegpt-fp8-nofuse  sharegpt-fp8 with PAGEDLLM_FP8_FUSED_QUANT=0 (a kernel quantizes
 #                  each FP8 linear's input instead of the RMSNorm or SiLU-and-mul before it;
 #                  compare with sharegpt-fp8)
+#   sharegpt-fp8-onepass  sharegpt-fp8 with PAGEDLLM_FP8_ROW_BLOCK=16384 (the FP8 SiLU-and-mul
+#                  quantizes a 14,336-wide row in one pass held in registers instead of two
+#                  passes of 4,096-wide blocks; compare with sharegpt-fp8)
 #   sharegpt-graphs1024  sharegpt with decode graphs captured up to 1,024 sequences
 #                  (PAGEDLLM_MAX_GRAPH_BATCH=1024; the default caps them at 512, so the mix's
 #                  first few hundred decode steps run eager): compare with sharegpt
@@ -240,7 +243,7 @@ for heads in (32, 16):
     time_decode_mix('cuda', num_heads=heads)"
 for w in sharegpt sharegpt-sort sharegpt-sortfree sharegpt-fp8 sharegpt-fp8-promoted sharegpt-profile \
         sharegpt-fp8-profile sharegpt-bn64 sharegpt-w8 sharegpt-bn64-w8 sharegpt-fp8-w8 \
-        sharegpt-fp8-bf16dots sharegpt-fp8-nofuse sharegpt-graphs1024; do
+        sharegpt-fp8-bf16dots sharegpt-fp8-nofuse sharegpt-fp8-onepass sharegpt-graphs1024; do
     sampler=rejection extra=() env_ab=()
     case $w in
     sharegpt-bn64) env_ab=(PAGEDLLM_DECODE_BLOCK_N=64) ;;
@@ -254,6 +257,8 @@ for w in sharegpt sharegpt-sort sharegpt-sortfree sharegpt-fp8 sharegpt-fp8-prom
     sharegpt-fp8-promoted) env_ab=(PAGEDLLM_FP8_FAST_ACCUM=0)
         extra=(--quantization fp8 --kv-cache-dtype fp8) ;;
     sharegpt-fp8-nofuse) env_ab=(PAGEDLLM_FP8_FUSED_QUANT=0)
+        extra=(--quantization fp8 --kv-cache-dtype fp8) ;;
+    sharegpt-fp8-onepass) env_ab=(PAGEDLLM_FP8_ROW_BLOCK=16384)
         extra=(--quantization fp8 --kv-cache-dtype fp8) ;;
     sharegpt-sort) sampler=sort ;;
     sharegpt-sortfree) sampler=sortfree ;;
@@ -317,7 +322,7 @@ run_step tp-allreduce 600 "$LOGS/tp.log" $TPRUN "$WORK/bench.py" tp-allreduce --
         grep -E "^== |KV budget|KV cache:|CUDA graph|Traceback|Error" "$LOGS/bench.log" | cut -c1-160
         grep -A16 "^device idle gaps" "$LOGS/bench.log" | cut -c1-120  # --profile runs
         for w in $BENCHES decode-8b-fp8 throughput-8b-fp8 decode-8b-nopdl decode-8b-fp8-nopdl decode-8b-nofold decode-8b-fp8-nofold decode-8b-norope decode-8b-fp8-norope sharegpt sharegpt-sortfree \
-                sharegpt-fp8 sharegpt-fp8-promoted sharegpt-fp8-nofuse sharegpt-profile sharegpt-fp8-profile \
+                sharegpt-fp8 sharegpt-fp8-promoted sharegpt-fp8-nofuse sharegpt-fp8-onepass sharegpt-profile sharegpt-fp8-profile \
                 sharegpt-bn64 sharegpt-w8 sharegpt-bn64-w8 sharegpt-fp8-w8 sharegpt-fp8-bf16dots sharegpt-graphs1024 nano-profile tp-decode-8b tp-throughput-8b $SPEC_STEPS; do  # each table follows "results:"
             sed -n "/^results: .*\/$w.json/,/^== $w:/p" "$LOGS/bench.log" | sed '1s/^/\n/'
         done

@@ -133,11 +133,13 @@ def test_fused_norm_quantization_matches_norm_then_quantize(with_residual):
         assert residual_out is None
 
 
-def test_fused_silu_quantization_matches_silu_then_quantize():
-    """SiLU-and-mul handing on FP8 rows (its two passes over a row wider than its block)
-    against the plain kernel followed by the quantization."""
+@pytest.mark.parametrize("row_block", [16384, 1024])
+def test_fused_silu_quantization_matches_silu_then_quantize(monkeypatch, row_block):
+    """SiLU-and-mul handing on FP8 rows (a row in one block, or wider than its block: two
+    passes) against the plain kernel followed by the quantization."""
     from pagedllm.kernels import triton_ops
 
+    monkeypatch.setattr(triton_ops, "FP8_ROW_BLOCK", row_block)
     g = torch.Generator().manual_seed(2)
     x = (torch.randn(18, 2 * 5000, generator=g) * 4).to(torch.bfloat16)
     q, scale = triton_ops.triton_silu_and_mul_fp8(x)

@@ -54,12 +54,16 @@ def test_every_triton_kernel_is_checked():
     ({"PAGEDLLM_DECODE_NUM_WARPS": "3"}, "PAGEDLLM_DECODE_NUM_WARPS must be 2, 4 or 8, got 3"),
     ({"PAGEDLLM_DECODE_BLOCK_N": "96"}, "PAGEDLLM_DECODE_BLOCK_N must be 16, 32, 64 or 128, got 96"),
     ({"PAGEDLLM_DECODE_NUM_WARPS": "8", "PAGEDLLM_DECODE_BLOCK_N": "64"}, "64 8"),
+    ({"PAGEDLLM_FP8_ROW_BLOCK": "3000"},
+     "PAGEDLLM_FP8_ROW_BLOCK must be a power of two from 1024 to 16384, got 3000"),
+    ({"PAGEDLLM_FP8_ROW_BLOCK": "16384"}, "16384"),
 ])
-def test_decode_launch_constants_from_the_environment(env, message):
-    """The A/B variables of the decode kernel's launch (scripts/gpu_check.sh's sharegpt-w8):
-    read at import, a value the kernel cannot take named in the error."""
-    code = ("from pagedllm.kernels import triton_attention as t; "
-            "print(t.DECODE_BLOCK_N, t.DECODE_NUM_WARPS)")
+def test_launch_constants_from_the_environment(env, message):
+    """The A/B variables of the decode kernel's launch (scripts/gpu_check.sh's sharegpt-w8)
+    and of the FP8 SiLU-and-mul's row block (sharegpt-fp8-onepass): read at import, a value
+    the kernel cannot take named in the error."""
+    code = ("from pagedllm.kernels import triton_attention as t, triton_ops as o; "
+            "print(t.DECODE_BLOCK_N, t.DECODE_NUM_WARPS, o.FP8_ROW_BLOCK)")
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT), **env}, timeout=300)
     assert message in (run.stdout if run.returncode == 0 else run.stderr)

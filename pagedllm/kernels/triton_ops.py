@@ -6,6 +6,8 @@ bf16 results match a torch forward of the same model.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -150,25 +152,45 @@ def _silu_and_mul_kernel(out_ptr, x_ptr, stride_x, stride_o, d, BLOCK: tl.conste
 
 @triton.jit
 def _silu_and_mul_fp8_kernel(out_ptr, scale_ptr, x_ptr, stride_x, stride_o, d,
-                             BLOCK: tl.constexpr, PDL: tl.constexpr):
+                             BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One program per row, quantized as kernels/triton_fp8.quantize_rows would quantize
-    the plain kernel's output: a pass for the row's max, a second to store (its inputs
-    then come from L2)."""
+    the plain kernel's output. ONE_BLOCK (the row fits in BLOCK): one pass, the row held in
+    registers; else a pass for the row's max and a second to store, which reads the
+    inputs again (a first version did so at every width: as slow as the two kernels it
+    replaced)."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
+    if ONE_BLOCK:
+        _silu_fp8_row(out_ptr, scale_ptr, x_ptr, row, stride_x, stride_o, d, BLOCK)
+    else:
+        _silu_fp8_row_in_blocks(out_ptr, scale_ptr, x_ptr, row, stride_x, stride_o, d, BLOCK)
+
+
+@triton.jit
+def _silu_fp8_row(out_ptr, scale_ptr, x_ptr, row, stride_x, stride_o, d, BLOCK: tl.constexpr):
+    cols = tl.arange(0, BLOCK)
+    v = _silu_mul(x_ptr, row, stride_x, d, cols, cols < d).to(tl.float32)
+    scale = triton_fp8.row_scale(tl.max(tl.abs(v), 0))
+    tl.store(scale_ptr + row, scale)
+    tl.store(out_ptr + row * stride_o + cols, triton_fp8.e4m3_bits(v, scale), mask=cols < d)
+
+
+@triton.jit
+def _silu_fp8_row_in_blocks(out_ptr, scale_ptr, x_ptr, row, stride_x, stride_o, d,
+                            BLOCK: tl.constexpr):
     amax = tl.zeros((BLOCK,), dtype=tl.float32)
     for c0 in range(0, d, BLOCK):
         cols = c0 + tl.arange(0, BLOCK)
-        v = _silu_mul(x_ptr, row, stride_x, d, cols, cols < d)
-        amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
+        v = _silu_mul(x_ptr, row, stride_x, d, cols, cols < d).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(v))
     scale = triton_fp8.row_scale(tl.max(amax, 0))
     tl.store(scale_ptr + row, scale)
     for c0 in range(0, d, BLOCK):
         cols = c0 + tl.arange(0, BLOCK)
-        v = _silu_mul(x_ptr, row, stride_x, d, cols, cols < d)
-        tl.store(out_ptr + row * stride_o + cols, triton_fp8.e4m3_bits(v.to(tl.float32), scale),
+        v = _silu_mul(x_ptr, row, stride_x, d, cols, cols < d).to(tl.float32)
+        tl.store(out_ptr + row * stride_o + cols, triton_fp8.e4m3_bits(v, scale),
                  mask=cols < d)
 
 
@@ -193,6 +215,16 @@ def triton_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# The widest row the FP8 SiLU-and-mul quantizes in one pass; wider rows take two passes of
+# blocks this wide. One pass over Llama-3-8B's 14,336 (PAGEDLLM_FP8_ROW_BLOCK=16384: 102
+# registers a thread in 16 warps, one program an SM) is not timed yet against the two
+# passes measured in the FP8 mix (gpu-check's sharegpt-fp8-onepass is the A/B).
+FP8_ROW_BLOCK = int(os.environ.get("PAGEDLLM_FP8_ROW_BLOCK", "4096"))
+if FP8_ROW_BLOCK not in (1024, 2048, 4096, 8192, 16384):
+    raise ValueError("PAGEDLLM_FP8_ROW_BLOCK must be a power of two from 1024 to 16384, "
+                     f"got {FP8_ROW_BLOCK}")
+
+
 def triton_silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """triton_silu_and_mul with its output quantized per row for an FP8 linear:
     (float8_e4m3fn [rows, d], fp32 scales [rows, 1])."""
@@ -200,10 +232,10 @@ def triton_silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     out = torch.empty(x2.shape[0], d, dtype=torch.uint8, device=x.device)
     scale = torch.empty(x2.shape[0], 1, dtype=torch.float32, device=x.device)
     if x2.shape[0] and d:
+        block = min(FP8_ROW_BLOCK, triton.next_power_of_2(d))
         _silu_and_mul_fp8_kernel[(x2.shape[0],)](
-            out, scale, x2, x2.stride(0), out.stride(0), d,
-            BLOCK=min(4096, triton.next_power_of_2(d)), num_warps=8,
-            **triton_pdl.launch_kwargs(x.device),
+            out, scale, x2, x2.stride(0), out.stride(0), d, BLOCK=block, ONE_BLOCK=block >= d,
+            num_warps=max(8, block // 1024), **triton_pdl.launch_kwargs(x.device),
         )
     return out.view(torch.float8_e4m3fn), scale
 
