@@ -125,15 +125,19 @@ def report_device_gaps(name: str, wall: float) -> None:
 
 
 def install(llm: LLM, mask_threads: int | None = None) -> None:
+    from pagedllm.contract import StepResult
+    from pagedllm.engine.core import EngineCore
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.worker import model_runner as mr
-    from pagedllm.contract import StepResult
 
     engine = llm.engine
-    for name in ("_update", "add_request", "_make_output", "_launch"):
-        wrap(LLMEngine, name, f"engine.{name}")
-    for name in ("schedule", "schedule_continuation", "free_finished_seq_groups"):
+    wrap(LLMEngine, "add_request", "engine.add_request")
+    for name in ("_schedule_and_launch", "_launch_ahead", "_launch", "_forget"):
+        wrap(EngineCore, name, f"engine.{name}")
+    for name in ("schedule", "schedule_continuation", "update_from_output",
+                 "free_finished_seq_groups"):
         wrap(type(engine.scheduler), name, f"scheduler.{name}")
+    wrap(type(engine.output_processor), "process", "outputs.process")
     wrap(type(engine.batch_builder), "build", "batch_builder.build")
     wrap(StepResult, "samples", "StepResult.samples")
     wrap(type(engine.structured), "advance", "structured.advance")
@@ -145,7 +149,6 @@ def install(llm: LLM, mask_threads: int | None = None) -> None:
     wrap(mr.ModelRunner, "forward", "model: forward")
     wrap(engine.worker.model, "compute_logits", "model: compute_logits")
     wrap(mr.DecodeWindow, "sample_with_bitmask", "model: sample_with_bitmask")
-    wrap(mr, "apply_token_bitmask", "model: apply_token_bitmask")
     wrap(type(engine.worker.runner.sampler), "sample", "model: sampler.sample")
     wrap(mr.FlatBatch, "next_decode_step", "model: next_decode_step")
     wrap(mr._HostCopy, "__init__", "model: samples copy queued")
@@ -160,9 +163,9 @@ def install(llm: LLM, mask_threads: int | None = None) -> None:
     wrap(cg.StaticMetadata, "load", "graphs: copy inputs")
     wrap(cg.DecodeCUDAGraphs, "_replay", "graphs: replay")
     wrap(type(engine.worker.model), "forward", "model: eager forward")
-    wrap(type(engine.worker.runner.sampler), "_changed_copy", "sampler: logits copy changed")
     for name in ("_sample_with_triton", "_pack_logprobs", "_sample_rows"):
-        wrap(sm, name, f"sampler: {name}")
+        if hasattr(sm, name):
+            wrap(sm, name, f"sampler: {name}")
 
 
 class _TimedExecutor:
@@ -248,6 +251,7 @@ def main() -> None:
                    help="default: the engine's (8 on CUDA, 1 on the CPU)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes (CPU)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--constrained-only", action="store_true", help="skip the unconstrained run")
     p.add_argument("--mask-threads", type=int, default=None,
                    help="llguidance's mask-filling threads (default: the engine's)")
@@ -260,7 +264,7 @@ def main() -> None:
     kwargs = dict(load_format=args.load_format, dtype=args.dtype, enable_prefix_caching=False,
                   max_num_seqs=args.batch)
     for key in ("model", "device", "tokenizer", "kv_cache_memory", "num_scheduler_steps",
-                "async_scheduling"):
+                "async_scheduling", "max_num_batched_tokens"):
         if getattr(args, key) is not None:
             kwargs[key] = getattr(args, key)
     llm = LLM(**kwargs)

@@ -373,3 +373,28 @@ def test_serve_bench_at_request_rates_writes_json(tmp_path, capsys):
         assert run["requests_per_s"] > 0 and run["output_tokens_per_s"] > 0
         assert 0 < run["ttft_p50_ms"] <= run["ttft_p99_ms"]
         assert 0 < run["itl_p50_ms"] <= run["itl_p99_ms"]
+
+
+def test_host_profile_script_wraps_the_engine_it_runs(tmp_path):
+    """scripts/profile_host.py (gpu-check's host-profile step) wraps engine methods by
+    name: a tiny run on the CPU, so a renamed method fails here, not on a GPU machine."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from pagedllm.loader import default_model_path
+    from pagedllm.loader.tokenizer import load_tokenizer
+
+    root = Path(__file__).resolve().parent.parent
+    load_tokenizer(str(default_model_path())).save_pretrained(tmp_path / "tok")
+    run = subprocess.run(
+        [sys.executable, str(root / "scripts" / "profile_host.py"), "--model", "smollm2-135m",
+         "--load-format", "dummy", "--tokenizer", str(tmp_path / "tok"), "--device", "cpu",
+         "--batch", "4", "--min-input-len", "8", "--max-input-len", "24", "--max-tokens", "4",
+         "--num-scheduler-steps", "2", "--async-scheduling", "--max-num-batched-tokens", "48",
+         "--kv-cache-memory", "50000000"],
+        cwd=root, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for row in ("unconstrained: 16 tokens", "2/4 constrained: ", "scheduler.schedule",
+                "scheduler.update_from_output", "outputs.process", "runner.gather"):
+        assert row in run.stdout, run.stdout
