@@ -449,8 +449,9 @@ def tune_decode_mix(device: str, heads=(32, 16), batches=(64, 256, 1024),
             for config in itertools.product(block_ns, warps_list, stages_list):
                 (triton_attention.DECODE_BLOCK_N, triton_attention.DECODE_NUM_WARPS,
                  triton_attention.DECODE_NUM_STAGES) = config
-                print(f"  BLOCK_N={config[0]:<4} (runs {triton_attention.decode_block_n(shape.head_dim, shape.dtype.itemsize):<3}) "
-                      f"warps={config[1]} stages={config[2]}: {_decode_times(batches_, shape)}")
+                runs = triton_attention.decode_block_n(shape.head_dim, shape.dtype.itemsize)
+                print(f"  BLOCK_N={config[0]:<4} (runs {runs:<3}) warps={config[1]} "
+                      f"stages={config[2]}: {_decode_times(batches_, shape)}")
     finally:
         (triton_attention.DECODE_BLOCK_N, triton_attention.DECODE_NUM_WARPS,
          triton_attention.DECODE_NUM_STAGES) = saved
