@@ -164,8 +164,7 @@ def install(llm: LLM, mask_threads: int | None = None) -> None:
     wrap(cg.DecodeCUDAGraphs, "_replay", "graphs: replay")
     wrap(type(engine.worker.model), "forward", "model: eager forward")
     for name in ("_sample_with_triton", "_pack_logprobs", "_sample_rows"):
-        if hasattr(sm, name):
-            wrap(sm, name, f"sampler: {name}")
+        wrap(sm, name, f"sampler: {name}")
 
 
 class _TimedExecutor:

@@ -64,8 +64,8 @@ class FP8Rows:
 
 
 def takes_fp8_rows(x: torch.Tensor) -> bool:
-    """Whether an FP8Linear would quantize x's rows itself: every batch but the small ones,
-    which the weight-only kernel multiplies in x's dtype."""
+    """Whether an FP8Linear multiplies x's rows quantized: every batch but the small ones,
+    which the weight-only kernel multiplies in x's dtype on CUDA."""
     return x.numel() > SMALL_BATCH_ROWS * x.shape[-1]
 
 
@@ -112,7 +112,7 @@ class FP8Linear(nn.Module):
             return self._scaled_mm(*quantize_rows(rows), rows.dtype)
         from pagedllm.kernels import triton_fp8, triton_gemv  # Triton only where it runs
 
-        if rows.shape[0] <= SMALL_BATCH_ROWS:
+        if not takes_fp8_rows(rows):
             return triton_gemv.skinny_matmul(rows, self.qweight, self.weight_scale.view(-1))
         return self._scaled_mm(*triton_fp8.quantize_rows(rows), rows.dtype)
 
