@@ -24,9 +24,7 @@ os.environ.pop("TRITON_INTERPRET", None)  # compiled kernels, not the interprete
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from pagedllm.benchmarks.triton_launches import (  # noqa: E402
-    TARGET, compiling_launches, launch_attention,
-)
+from pagedllm.benchmarks.triton_launches import compile_decode_kernel  # noqa: E402
 from pagedllm.kernels import triton_attention  # noqa: E402
 
 CACHES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
@@ -36,24 +34,13 @@ CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
 
 def resources(cache: str, block_n: int, warps: int) -> str:
     """The decode kernel's registers and stack, launched with these constants."""
-    usage = []
-
-    def to_cubin(fn, source, options) -> None:
-        cubin = triton.compile(source, target=TARGET, options=options).asm["cubin"]
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(cubin)
-            f.flush()
-            usage.append(subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True,
-                                        text=True, check=True).stdout)
-
-    saved = triton_attention.DECODE_BLOCK_N, triton_attention.DECODE_NUM_WARPS
-    triton_attention.DECODE_BLOCK_N, triton_attention.DECODE_NUM_WARPS = block_n, warps
-    try:
-        with compiling_launches(to_cubin):
-            launch_attention(torch.bfloat16, CACHES[cache], num_splits=4)
-    finally:
-        triton_attention.DECODE_BLOCK_N, triton_attention.DECODE_NUM_WARPS = saved
-    return " ".join(re.findall(r"(?:REG|STACK):\d+", usage[0]))
+    cubin = compile_decode_kernel(CACHES[cache], block_n, warps)["cubin"]
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True,
+                               text=True, check=True).stdout
+    return " ".join(re.findall(r"(?:REG|STACK):\d+", usage))
 
 
 def main() -> int:

@@ -67,3 +67,32 @@ def test_launch_constants_from_the_environment(env, message):
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT), **env}, timeout=300)
     assert message in (run.stdout if run.returncode == 0 else run.stderr)
+
+
+DECODE_PTX_CHECK = """
+import re, sys, torch
+from pagedllm.benchmarks.triton_launches import compile_decode_kernel
+for name, dtype in (("bf16", torch.bfloat16), ("fp8", torch.float8_e4m3fn)):
+    asm = compile_decode_kernel(dtype)
+    ptx = asm["ptx"]
+    print(name, len(re.findall(r"ld\\.shared\\.[bu]8", ptx)), len(re.findall(r"st\\.local", ptx)),
+          len(re.findall(r"ldmatrix[.a-z0-9]*\\.trans", ptx)))
+"""
+
+
+def test_decode_kernel_reads_an_fp8_caches_values_without_byte_loads():
+    """The FP8 cache's values are converted to 16 bits before the P @ V dot's transposing
+    shared-memory read (triton_attention._values_operand): compiled for sm_90, the decode
+    kernel has no 8-bit shared loads (there were 128 a thread per tile) and reads the
+    values with the transposing ldmatrix, as over a bf16 cache; neither spills."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    run = subprocess.run([sys.executable, "-c", DECODE_PTX_CHECK], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    counts = {name: tuple(map(int, rest)) for name, *rest in
+              (line.split() for line in run.stdout.splitlines())}
+    for name in ("bf16", "fp8"):
+        byte_loads, spills, transposing = counts[name]
+        assert (byte_loads, spills) == (0, 0), (name, counts)
+        assert transposing > 0, (name, counts)

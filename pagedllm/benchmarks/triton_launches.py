@@ -48,19 +48,31 @@ def arg_type(value) -> str:
 
 def launch_source(fn: JITFunction, args: tuple, kwargs: dict) -> tuple[ASTSource, dict]:
     """(the source of fn at this launch's arguments and constexprs, its compile options)."""
-    signature, constexprs = {}, {}
+    signature, constexprs, attrs = {}, {}, {}
     given = dict(zip((p.name for p in fn.params), args))
     given.update((k, v) for k, v in kwargs.items() if k not in OPTIONS)
-    for p in fn.params:
+    for i, p in enumerate(fn.params):
         value = given.get(p.name, p.default)
         if value is inspect.Parameter.empty:
             raise TypeError(f"{fn.fn.__name__}: no value for {p.name}")
         if p.is_constexpr or value is None:
             signature[p.name], constexprs[p.name] = "constexpr", value
-        else:
-            signature[p.name] = arg_type(value)
+            continue
+        signature[p.name] = arg_type(value)
+        if _divisible_by_16(value):
+            attrs[(i,)] = [["tt.divisibility", 16]]
     options = {k: v for k, v in kwargs.items() if k in OPTIONS}
-    return ASTSource(fn, signature, constexprs=constexprs), options
+    return ASTSource(fn, signature, constexprs=constexprs, attrs=attrs), options
+
+
+def _divisible_by_16(value) -> bool:
+    """Whether the JIT would specialize this argument as divisible by 16 (a pointer 16-byte
+    aligned, an integer a multiple of 16). The compiler proves vector widths from these
+    hints: without them a kernel compiles to narrower loads, other registers and spills
+    than the GPU's launch of it."""
+    if isinstance(value, torch.Tensor):
+        return value.data_ptr() % 16 == 0
+    return isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0
 
 
 @contextmanager
@@ -104,3 +116,27 @@ def launch_attention(query_dtype: torch.dtype, cache_dtype: torch.dtype, *, deco
     triton_attention.triton_paged_attention(query, kv_cache, meta, head_dim ** -0.5,
                                             sliding_window, torch.ones(heads) if alibi else None,
                                             num_splits=num_splits)
+
+
+def compile_decode_kernel(cache_dtype: torch.dtype, block_n: int | None = None,
+                          num_warps: int | None = None) -> dict:
+    """The decode attention kernel compiled for sm_90 as launch_attention launches it (bf16
+    queries, 4 splits) over a cache of `cache_dtype`: its `asm` (ttir ... ptx, cubin).
+    `block_n` / `num_warps`: launch choices other than the engine's."""
+    import triton
+
+    compiled = []
+
+    def compile(fn: JITFunction, source: ASTSource, options: dict) -> None:
+        if fn.fn.__name__ == "_paged_decode_kernel":
+            compiled.append(triton.compile(source, target=TARGET, options=options).asm)
+
+    saved = triton_attention.DECODE_BLOCK_N, triton_attention.DECODE_NUM_WARPS
+    triton_attention.DECODE_BLOCK_N = block_n or saved[0]
+    triton_attention.DECODE_NUM_WARPS = num_warps or saved[1]
+    try:
+        with compiling_launches(compile):
+            launch_attention(torch.bfloat16, cache_dtype, num_splits=4)
+    finally:
+        triton_attention.DECODE_BLOCK_N, triton_attention.DECODE_NUM_WARPS = saved
+    return compiled[0]

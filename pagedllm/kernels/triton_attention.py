@@ -110,6 +110,23 @@ def _dot_operands(q, qk_scale, FP16_DOTS: tl.constexpr):
 
 
 @triton.jit
+def _values_operand(v, key_valid, dtype):
+    """A decode tile's values [BLOCK_N, HEAD_DIM] as the P @ V dot takes them.
+
+    An FP8 cache's values are converted here, in the layout they were loaded in, and masked
+    once more: the `where` keeps Triton from moving the conversion after the shared-memory
+    copy into the dot's operand layout, where the values' transpose (the dot reduces over
+    keys, the cache is contiguous over head_dim) has no 8-bit ldmatrix and becomes one
+    shared-memory byte load per element (128 a thread per tile at BLOCK_N 128). Converted
+    first, the 16-bit values take the transposing ldmatrix as a 16-bit cache's do.
+    """
+    if v.dtype.is_fp8():  # resolved at compile time: one branch is compiled
+        return tl.where(key_valid[:, None], v.to(dtype), 0.0).to(dtype)
+    else:  # a 16-bit cache's tile, untouched
+        return v
+
+
+@triton.jit
 def _online_softmax_step(
     q, k, v, allowed, bias, m_i, l_i, acc, qk_scale,
     USE_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -246,7 +263,8 @@ def _paged_decode_kernel(
             stride_c_block, stride_c_offset, stride_c_head, BLOCK_SIZE, HEAD_DIM,
         )
         k = tl.load(cache_ptr + offs, mask=kv_mask[:, None], other=0.0)
-        v = tl.load(cache_ptr + stride_c_kv + offs, mask=kv_mask[:, None], other=0.0)
+        v = _values_operand(tl.load(cache_ptr + stride_c_kv + offs, mask=kv_mask[:, None],
+                                    other=0.0), kv_mask, q.dtype)
         bias = slopes[:, None] * (k_pos - q_pos).to(tl.float32)[None, :]
         m_i, l_i, acc = _online_softmax_step(
             q, k, v, kv_mask[None, :], bias, m_i, l_i, acc, qk_scale, USE_ALIBI, DOT_PRECISION,
