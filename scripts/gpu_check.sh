@@ -42,6 +42,7 @@
 #                  (scripts/kernel_resources.py); compare with sharegpt / sharegpt-fp8
 #   decode-tune    the decode attention kernel's launch constants over full batches of
 #                  mixed contexts (64, 256, 1,024 sequences; not in the default list)
+#   decode-tune-fp8  decode-tune over an FP8 cache (32 / 8 heads; 2-4 stages)
 #   top-p-bench    one sampling call at T=0.8, top_p=0.95, 256 rows x 128,256 tokens, with
 #                  each PAGEDLLM_SAMPLER kind (pagedllm/benchmarks/kernel_bench.py)
 #   kernel-bench   `pagedllm bench kernels`: the kernel checks again, then their timings
@@ -228,6 +229,8 @@ done
 # The ShareGPT-like mix (not in the default steps): the sampler A/B and the FP8 KV cache.
 run_step decode-tune 300 "$LOGS/bench.log" $PY -c \
     "from pagedllm.benchmarks.kernel_bench import tune_decode_mix; tune_decode_mix('cuda')"
+run_step decode-tune-fp8 300 "$LOGS/bench.log" $PY -c \
+    "import torch; from pagedllm.benchmarks.kernel_bench import tune_decode_mix; tune_decode_mix('cuda', heads=(32,), stages_list=(2, 3, 4), kv_dtype=torch.float8_e4m3fn)"
 run_step top-p-bench 300 "$LOGS/bench.log" $PY -c \
     "from pagedllm.benchmarks.kernel_bench import time_top_p; time_top_p('cuda')"
 run_step fp8-kv-dots 300 "$LOGS/bench.log" $PY -c "

@@ -432,10 +432,12 @@ def time_top_p(device: str, rows: int = 256, vocab: int = 128256) -> None:
 
 
 def tune_decode_mix(device: str, heads=(32, 16), batches=(64, 256, 1024),
-                    block_ns=(64, 128), warps_list=(4, 8), stages_list=(1, 2, 3)) -> None:
+                    block_ns=(64, 128), warps_list=(4, 8), stages_list=(1, 2, 3),
+                    kv_dtype: torch.dtype | None = None) -> None:
     """The decode kernel's launch constants over full batches of mixed contexts (the
     ShareGPT-like mix's decode steps): ms per call and the KV bytes' GB/s at each batch
-    size, for each query head count over 8 KV heads (32: Llama-3-8B, 16: nano's Qwen3)."""
+    size, for each query head count over 8 KV heads (32: Llama-3-8B, 16: nano's Qwen3).
+    kv_dtype: the cache's (default the queries'; float8_e4m3fn: --kv-cache-dtype fp8)."""
     saved = (triton_attention.DECODE_BLOCK_N, triton_attention.DECODE_NUM_WARPS,
              triton_attention.DECODE_NUM_STAGES)
     try:
@@ -443,13 +445,16 @@ def tune_decode_mix(device: str, heads=(32, 16), batches=(64, 256, 1024),
             shape = Shape(num_heads=num_heads)
             batches_ = [build_batch(lens, [1] * len(lens), shape, device, poison=False)
                         for lens in (mix_lengths(n) for n in batches)]
+            for b in batches_:
+                b.kv_cache = b.kv_cache.to(kv_dtype or shape.dtype)
             print(f"\ndecode launch constants over mixed contexts, {num_heads} / "
-                  f"{shape.num_kv_heads} heads (ms and GB/s at "
+                  f"{shape.num_kv_heads} heads, {batches_[0].kv_cache.dtype} cache (ms and GB/s at "
                   + ", ".join(f"{b.meta.num_seqs} seqs" for b in batches_) + ")")
             for config in itertools.product(block_ns, warps_list, stages_list):
                 (triton_attention.DECODE_BLOCK_N, triton_attention.DECODE_NUM_WARPS,
                  triton_attention.DECODE_NUM_STAGES) = config
-                runs = triton_attention.decode_block_n(shape.head_dim, shape.dtype.itemsize)
+                runs = triton_attention.decode_block_n(shape.head_dim,
+                                                       batches_[0].kv_cache.element_size())
                 print(f"  BLOCK_N={config[0]:<4} (runs {runs:<3}) warps={config[1]} "
                       f"stages={config[2]}: {_decode_times(batches_, shape)}")
     finally:
@@ -465,7 +470,7 @@ def _decode_times(batches: list[Batch], shape: Shape) -> str:
             ms = bench(lambda: triton_paged_attention(b.query, b.kv_cache, b.meta, b.scale))
         except Exception as e:  # e.g. out of shared memory for this tile
             return f"{type(e).__name__}: {str(e)[:60]}"
-        kv_bytes = sum(b.seq_lens) * shape.num_kv_heads * shape.head_dim * 2 * shape.dtype.itemsize
+        kv_bytes = sum(b.seq_lens) * shape.num_kv_heads * shape.head_dim * 2 * b.kv_cache.element_size()
         shown.append(f"{ms:.3f} ({kv_bytes / ms / 1e6:.0f})")
     return "  ".join(shown)
 
