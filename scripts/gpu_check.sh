@@ -27,9 +27,12 @@
 #   sharegpt-fp8-nofuse  sharegpt-fp8 with PAGEDLLM_FP8_FUSED_QUANT=0 (a kernel quantizes
 #                  each FP8 linear's input instead of the RMSNorm or SiLU-and-mul before it;
 #                  compare with sharegpt-fp8)
-#   sharegpt-fp8-onepass  sharegpt-fp8 with PAGEDLLM_FP8_ROW_BLOCK=16384 (the FP8 SiLU-and-mul
-#                  quantizes a 14,336-wide row in one pass held in registers instead of two
-#                  passes of 4,096-wide blocks; compare with sharegpt-fp8)
+#   sharegpt-fp8-twopass  sharegpt-fp8 with PAGEDLLM_FP8_ROW_BLOCK=4096 (the FP8 SiLU-and-mul
+#                  quantizes a 14,336-wide row in two passes of 4,096-wide blocks instead of
+#                  one pass held in registers; compare with sharegpt-fp8)
+#   sharegpt-fp8-2stages  sharegpt-fp8 with PAGEDLLM_DECODE_NUM_STAGES=2 (decode attention
+#                  over the FP8 cache pipelined in 2 stages instead of 3; compare with
+#                  sharegpt-fp8)
 #   sharegpt-graphs1024  sharegpt with decode graphs captured up to 1,024 sequences
 #                  (PAGEDLLM_MAX_GRAPH_BATCH=1024; the default caps them at 512, so the mix's
 #                  first few hundred decode steps run eager): compare with sharegpt
@@ -246,7 +249,8 @@ for heads in (32, 16):
     time_decode_mix('cuda', num_heads=heads)"
 for w in sharegpt sharegpt-sort sharegpt-sortfree sharegpt-fp8 sharegpt-fp8-promoted sharegpt-profile \
         sharegpt-fp8-profile sharegpt-bn64 sharegpt-w8 sharegpt-bn64-w8 sharegpt-fp8-w8 \
-        sharegpt-fp8-bf16dots sharegpt-fp8-nofuse sharegpt-fp8-onepass sharegpt-graphs1024; do
+        sharegpt-fp8-bf16dots sharegpt-fp8-nofuse sharegpt-fp8-twopass sharegpt-fp8-2stages \
+        sharegpt-graphs1024; do
     sampler=rejection extra=() env_ab=()
     case $w in
     sharegpt-bn64) env_ab=(PAGEDLLM_DECODE_BLOCK_N=64) ;;
@@ -261,7 +265,9 @@ for w in sharegpt sharegpt-sort sharegpt-sortfree sharegpt-fp8 sharegpt-fp8-prom
         extra=(--quantization fp8 --kv-cache-dtype fp8) ;;
     sharegpt-fp8-nofuse) env_ab=(PAGEDLLM_FP8_FUSED_QUANT=0)
         extra=(--quantization fp8 --kv-cache-dtype fp8) ;;
-    sharegpt-fp8-onepass) env_ab=(PAGEDLLM_FP8_ROW_BLOCK=16384)
+    sharegpt-fp8-twopass) env_ab=(PAGEDLLM_FP8_ROW_BLOCK=4096)
+        extra=(--quantization fp8 --kv-cache-dtype fp8) ;;
+    sharegpt-fp8-2stages) env_ab=(PAGEDLLM_DECODE_NUM_STAGES=2)
         extra=(--quantization fp8 --kv-cache-dtype fp8) ;;
     sharegpt-sort) sampler=sort ;;
     sharegpt-sortfree) sampler=sortfree ;;

@@ -201,8 +201,9 @@ def test_decode_tiles_fit_shared_memory():
     assert block_n(128, 2) == triton_attention.DECODE_BLOCK_N == 128
     assert block_n(128, 1) == block_n(64, 4) == 128
     assert block_n(128, 4) == block_n(256, 2) == 64 and block_n(256, 4) == 32
-    stages = triton_attention.DECODE_NUM_STAGES
-    assert all(2 * stages * block_n(d, e) * d * e <= triton_attention.DECODE_TILE_BYTES
+    stages = triton_attention.decode_num_stages
+    assert (stages(1), stages(2), stages(4)) == (3, 2, 2)
+    assert all(2 * stages(e) * block_n(d, e) * d * e <= triton_attention.DECODE_TILE_BYTES
                for d in (16, 64, 128, 256) for e in (1, 2, 4))
 
 

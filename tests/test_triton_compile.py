@@ -56,16 +56,23 @@ def test_every_triton_kernel_is_checked():
     ({"PAGEDLLM_DECODE_NUM_WARPS": "8", "PAGEDLLM_DECODE_BLOCK_N": "64"}, "64 8"),
     ({"PAGEDLLM_FP8_ROW_BLOCK": "3000"},
      "PAGEDLLM_FP8_ROW_BLOCK must be a power of two from 1024 to 16384, got 3000"),
-    ({"PAGEDLLM_FP8_ROW_BLOCK": "16384"}, "16384"),
+    ({"PAGEDLLM_FP8_ROW_BLOCK": "4096"}, "4096"),
+    ({}, "128 4 16384 3 2"),
+    ({"PAGEDLLM_DECODE_NUM_STAGES": "2"}, "128 4 16384 2 2"),
+    ({"PAGEDLLM_DECODE_NUM_STAGES": "5"}, "PAGEDLLM_DECODE_NUM_STAGES must be 1, 2, 3 or 4, got 5"),
 ])
 def test_launch_constants_from_the_environment(env, message):
-    """The A/B variables of the decode kernel's launch (scripts/gpu_check.sh's sharegpt-w8)
-    and of the FP8 SiLU-and-mul's row block (sharegpt-fp8-onepass): read at import, a value
-    the kernel cannot take named in the error."""
+    """The A/B variables of the decode kernel's launch (scripts/gpu_check.sh's sharegpt-w8,
+    sharegpt-fp8-2stages) and of the FP8 SiLU-and-mul's row block (sharegpt-fp8-twopass):
+    read at import, a value the kernel cannot take named in the error; the defaults printed
+    last (the decode stages over an FP8 cache, then over bf16)."""
     code = ("from pagedllm.kernels import triton_attention as t, triton_ops as o; "
-            "print(t.DECODE_BLOCK_N, t.DECODE_NUM_WARPS, o.FP8_ROW_BLOCK)")
+            "print(t.DECODE_BLOCK_N, t.DECODE_NUM_WARPS, o.FP8_ROW_BLOCK, "
+            "t.decode_num_stages(1), t.decode_num_stages(2))")
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PAGEDLLM_")},
+           "PYTHONPATH": str(ROOT), **env}
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": str(ROOT), **env}, timeout=300)
+                         env=env, timeout=300)
     assert message in (run.stdout if run.returncode == 0 else run.stderr)
 
 

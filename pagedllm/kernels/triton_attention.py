@@ -45,15 +45,21 @@ _LOG2E_K = tl.constexpr(LOG2E)
 # stages. Module constants so `pagedllm bench kernels --tune` and the tests can change them.
 # Decode takes DECODE_BLOCK_N keys a step where the K and V tiles of every pipeline stage fit
 # in DECODE_TILE_BYTES of shared memory, fewer where not (decode_block_n);
-# PAGEDLLM_DECODE_BLOCK_N and PAGEDLLM_DECODE_NUM_WARPS set it for an end-to-end A/B (read
-# once at import; scripts/kernel_resources.py shows each choice's registers and spills).
+# PAGEDLLM_DECODE_BLOCK_N, PAGEDLLM_DECODE_NUM_WARPS and PAGEDLLM_DECODE_NUM_STAGES set it
+# for an end-to-end A/B (read once at import; scripts/kernel_resources.py shows each
+# choice's registers and spills). Stages: 2 over a 16-bit cache (3 would halve its 128-key
+# tiles), 3 over an FP8 cache (its 128-key tiles fit three times; gpu-check's
+# decode-tune-fp8 measured 8-13% less time than 2 at 256-1,024 sequences).
 DECODE_BLOCK_N = int(os.environ.get("PAGEDLLM_DECODE_BLOCK_N", "128"))
 if DECODE_BLOCK_N not in (16, 32, 64, 128):
     raise ValueError(f"PAGEDLLM_DECODE_BLOCK_N must be 16, 32, 64 or 128, got {DECODE_BLOCK_N}")
 DECODE_NUM_WARPS = int(os.environ.get("PAGEDLLM_DECODE_NUM_WARPS", "4"))
 if DECODE_NUM_WARPS not in (2, 4, 8):
     raise ValueError(f"PAGEDLLM_DECODE_NUM_WARPS must be 2, 4 or 8, got {DECODE_NUM_WARPS}")
-DECODE_NUM_STAGES = 2
+DECODE_NUM_STAGES: int | None = int(os.environ["PAGEDLLM_DECODE_NUM_STAGES"]) \
+    if os.environ.get("PAGEDLLM_DECODE_NUM_STAGES") else None  # None: by the cache (above)
+if DECODE_NUM_STAGES not in (None, 1, 2, 3, 4):
+    raise ValueError(f"PAGEDLLM_DECODE_NUM_STAGES must be 1, 2, 3 or 4, got {DECODE_NUM_STAGES}")
 DECODE_TILE_BYTES = 128 << 10  # of the 228 KiB an SM of an H100 / H200 has
 PREFILL_BLOCK_M = 64
 PREFILL_BLOCK_N = 64
@@ -404,12 +410,20 @@ def _balances(num_seqs: int, num_kv_heads: int, device: torch.device) -> bool:
     return DECODE_SPLIT == "balance" and num_seqs * num_kv_heads >= 2 * _num_sms(device)
 
 
+def decode_num_stages(element_size: int) -> int:
+    """Pipeline stages of the decode kernel over a cache of this element size."""
+    if DECODE_NUM_STAGES is not None:
+        return DECODE_NUM_STAGES
+    return 3 if element_size == 1 else 2
+
+
 def decode_block_n(head_dim: int, element_size: int) -> int:
     """Keys per inner step of the decode kernel: DECODE_BLOCK_N, halved until the K and V
-    tiles of every stage fit in DECODE_TILE_BYTES (bf16 at head_dim 128: 128 keys; fp32 at
-    128 or bf16 at 256: 64)."""
+    tiles of every stage fit in DECODE_TILE_BYTES (bf16 or FP8 at head_dim 128: 128 keys;
+    fp32 at 128 or bf16 at 256: 64)."""
     block_n = DECODE_BLOCK_N
-    while block_n > 16 and 2 * DECODE_NUM_STAGES * block_n * head_dim * element_size > DECODE_TILE_BYTES:
+    stages = decode_num_stages(element_size)
+    while block_n > 16 and 2 * stages * block_n * head_dim * element_size > DECODE_TILE_BYTES:
         block_n //= 2
     return block_n
 
@@ -571,6 +585,7 @@ def _decode(out, query, kv_cache, meta, alibi_arg, num_splits, common) -> None:
         out, part_m, part_l, part_acc, count,
         query, kv_cache, meta.block_tables, meta.seq_lens, alibi_arg,
         num_heads=num_heads, min_tiles=min_tiles, GROUP_PAD=group_pad, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES, **common,
+        NUM_SPLITS=num_splits, num_warps=DECODE_NUM_WARPS,
+        num_stages=decode_num_stages(kv_cache.element_size()), **common,
         **triton_pdl.launch_kwargs(query.device),
     )

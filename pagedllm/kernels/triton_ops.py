@@ -215,11 +215,12 @@ def triton_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-# The widest row the FP8 SiLU-and-mul quantizes in one pass; wider rows take two passes of
-# blocks this wide. One pass over Llama-3-8B's 14,336 (PAGEDLLM_FP8_ROW_BLOCK=16384: 102
-# registers a thread in 16 warps, one program an SM) is not timed yet against the two
-# passes measured in the FP8 mix (gpu-check's sharegpt-fp8-onepass is the A/B).
-FP8_ROW_BLOCK = int(os.environ.get("PAGEDLLM_FP8_ROW_BLOCK", "4096"))
+# The widest row the FP8 SiLU-and-mul quantizes in one pass, held in registers; wider rows
+# take two passes (the row's max, then the quantization) of blocks this wide. Llama-3-8B's
+# 14,336 take one pass at the default (102 registers a thread in 16 warps, no spills): the
+# FP8 mix measured faster so than with two passes of 4,096 (PAGEDLLM_FP8_ROW_BLOCK=4096,
+# gpu-check's sharegpt-fp8-twopass, is the A/B).
+FP8_ROW_BLOCK = int(os.environ.get("PAGEDLLM_FP8_ROW_BLOCK", "16384"))
 if FP8_ROW_BLOCK not in (1024, 2048, 4096, 8192, 16384):
     raise ValueError("PAGEDLLM_FP8_ROW_BLOCK must be a power of two from 1024 to 16384, "
                      f"got {FP8_ROW_BLOCK}")
