@@ -122,8 +122,9 @@ class EngineArgs:
         "(default: 8 on CUDA, 4 on the CPU)")
     # On the CPU the forward is synchronous: nothing to overlap.
     async_scheduling: bool | None = option(
-        None, "launch the next decode step before reading the running one's samples, so the "
-        "host's work overlaps the device's (default: on CUDA only)")
+        None, "launch the next step (decode window, prompt chunks, admissions) before reading "
+        "the running one's samples, so the host's work overlaps the device's (default: on CUDA "
+        "only)")
     disable_log_stats: bool = option(
         True, "no periodic log line of the server's load (running and waiting requests, KV "
         "cache use); --no-disable-log-stats logs one every 10 s")

@@ -4,6 +4,7 @@ stops and the order of the executor's calls (async scheduling executes the next 
 before it samples this one) are known exactly."""
 from __future__ import annotations
 
+from pagedllm.engine.block_manager import AllocStatus
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine_args import EngineArgs
 from pagedllm.sampling_params import SamplingParams
@@ -86,4 +87,32 @@ def test_a_window_ends_with_the_longest_row_s_max_tokens():
     assert done["b"].outputs[0].token_ids == [10, 11, 12, 13, 14]
     assert [b.num_steps for kind, b in fake.calls if kind == "execute"] == [1, 4]
     assert fake.forwards == 5
+    assert_all_freed(engine)
+
+
+def test_steps_with_prompt_chunks_are_launched_ahead_and_answer_what_never_fits():
+    """Async scheduling continues a step with prompt chunks too: the pending samples'
+    decodes and the next admissions are executed before its samples are read, with the
+    tokens of the rule. A request found there never to fit in the KV cache is answered
+    with its error, not dropped."""
+    engine, fake = make(on_cuda=True, num_gpu_blocks=8)  # 8 blocks of 16 tokens
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=6, ignore_eos=True))
+    engine.step()  # the prompt, and the decode after it launched ahead
+    engine.add_request("huge", [5, 6], SamplingParams(max_tokens=2))
+    engine.add_request("b", [7, 8], SamplingParams(max_tokens=3, ignore_eos=True))
+    bm = engine.scheduler.block_manager
+    can_allocate = bm.can_allocate
+    # The block manager's verdict on a prompt bigger than the cache (the engine's own
+    # admission check refuses those before they reach the scheduler).
+    bm.can_allocate = lambda group: AllocStatus.NEVER if group.request_id == "huge" \
+        else can_allocate(group)
+    done = run(engine)
+    assert done["a"].outputs[0].token_ids == [4, 5, 6, 7, 8, 9]
+    assert done["b"].outputs[0].token_ids == [9, 10, 11]
+    assert "can never fit in the KV cache (128 tokens)" in done["huge"].error
+    executed = [b for kind, b in fake.calls if kind == "execute"]
+    assert executed[1].num_computed_tokens == [3]  # a's pending sample, before it was read
+    assert any(b.new_seqs and b.seq_ids[0] == 0 and b.num_scheduled_tokens == [1, 2]
+               for b in executed)  # b admitted in a step launched ahead
+    assert engine._in_flight is None
     assert_all_freed(engine)

@@ -185,6 +185,19 @@ def _count_continuations(engine, monkeypatch) -> list[int]:
     return launched
 
 
+def _assert_same_outputs(sync, overlapped) -> None:
+    """The same tokens, text and finish reasons, and the first request's logprobs."""
+    for a, b in zip(sync, overlapped):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert b.outputs[0].text == a.outputs[0].text
+        assert b.outputs[0].finish_reason == a.outputs[0].finish_reason
+    for got, want in zip(overlapped[0].outputs[0].logprobs, sync[0].outputs[0].logprobs):
+        assert got.keys() == want.keys()
+        for token, entry in got.items():
+            assert entry.rank == want[token].rank
+            assert entry.logprob == pytest.approx(want[token].logprob, abs=1e-4)
+
+
 @pytest.mark.parametrize("num_steps", [1, 4])
 def test_async_scheduling_gives_the_synchronous_results(default_llm, monkeypatch, num_steps):
     """Greedy with logprobs, seeded sampling, a stop string, EOS and max_tokens of every
@@ -217,15 +230,47 @@ def test_async_scheduling_gives_the_synchronous_results(default_llm, monkeypatch
     assert len(launched) >= 2 and max(launched) == num_steps
     assert sync[2].outputs[0].finish_reason == "stop"
     assert sync[5].outputs[0].token_ids == natural.token_ids
-    for a, b in zip(sync, overlapped):
-        assert b.outputs[0].token_ids == a.outputs[0].token_ids
-        assert b.outputs[0].text == a.outputs[0].text
-        assert b.outputs[0].finish_reason == a.outputs[0].finish_reason
-    for got, want in zip(overlapped[0].outputs[0].logprobs, sync[0].outputs[0].logprobs):
-        assert got.keys() == want.keys()
-        for token, entry in got.items():
-            assert entry.rank == want[token].rank
-            assert entry.logprob == pytest.approx(want[token].logprob, abs=1e-4)
+    _assert_same_outputs(sync, overlapped)
+    assert engine._in_flight is None
+    _no_leaks(default_llm)
+
+
+@pytest.mark.parametrize("num_steps", [1, 4])
+def test_async_scheduling_through_prompt_chunks_and_admissions(default_llm, monkeypatch,
+                                                              num_steps):
+    """A token budget of 16 chunks every prompt and admits requests while others decode:
+    steps with prompt chunks are launched ahead too (the next chunk, the pending sample's
+    decode, an admission), with the synchronous tokens, logprobs and finish reasons."""
+    engine = default_llm.engine
+    prompts = [PROMPT, "Hello", PROMPT + " a fisherman who", "Count: 1, 2, 3, 4, 5, 6, 7,",
+               "The capital of France is", PROMPT]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=7, logprobs=2),
+        SamplingParams(temperature=0.8, top_p=0.9, max_tokens=9, seed=5),
+        SamplingParams(temperature=0.0, max_tokens=12, stop=["."]),
+        SamplingParams(temperature=0.0, max_tokens=1),
+        SamplingParams(temperature=0.0, max_tokens=6, min_tokens=3),
+        SamplingParams(temperature=0.7, max_tokens=8, seed=11, ignore_eos=True),
+    ]
+    monkeypatch.setattr(engine, "num_scheduler_steps", num_steps)
+    monkeypatch.setattr(engine.scheduler.scheduler_config, "max_num_batched_tokens", 16)
+    sync = default_llm.generate(prompts, params, use_tqdm=False)
+    monkeypatch.setattr(engine, "async_scheduling", True)
+    mixed = []
+    schedule_continuation = engine.scheduler.schedule_continuation
+
+    def recording(prev, max_num_steps, structured_ok=False):
+        out = schedule_continuation(prev, max_num_steps, structured_ok)
+        if out is not None and out.pending_tokens is not None:
+            mixed.append([(x.token_chunk_size, x.do_sample) for x in out.scheduled_seq_groups])
+        return out
+
+    monkeypatch.setattr(engine.scheduler, "schedule_continuation", recording)
+    overlapped = default_llm.generate(prompts, params, use_tqdm=False)
+    chunks = [row for step in mixed for row in step]
+    assert (1, True) in chunks and any(c > 1 and not sample for c, sample in chunks)
+    assert any(c > 1 and sample for c, sample in chunks)  # a prompt's last chunk
+    _assert_same_outputs(sync, overlapped)
     assert engine._in_flight is None
     _no_leaks(default_llm)
 
@@ -263,8 +308,10 @@ def test_async_streaming_and_an_abort_while_a_window_runs(default_llm, monkeypat
 # ------------------------------------------------------------ the scheduler's side
 
 
-def scheduler_with(prompts, max_num_seqs=8, num_gpu_blocks=64, **params):
-    s = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=64),
+def scheduler_with(prompts, max_num_seqs=8, num_gpu_blocks=64, max_num_batched_tokens=2048,
+                   **params):
+    s = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=64,
+                                  max_num_batched_tokens=max_num_batched_tokens),
                   CacheConfig(block_size=4, enable_prefix_caching=False), num_gpu_blocks, 0)
     groups = []
     for i, p in enumerate(prompts):
@@ -336,9 +383,72 @@ def test_windows_and_continuations_for_min_tokens_and_structured_outputs():
         assert (nxt.num_steps if nxt else None) == (4 if structured_ok else None)
 
 
-def test_no_continuation_after_a_prefill_or_when_the_slots_do_not_fit():
-    s, _ = scheduler_with([[1] * 5], max_tokens=20)
-    assert s.schedule_continuation(s.schedule(), 1) is None  # prev was a prompt
+def _rows(out):
+    """(request id, chunk, do_sample, pending tokens) of each scheduled group."""
+    return [(x.seq_group.request_id, x.token_chunk_size, x.do_sample,
+             out.pending_tokens.get(x.seq_group.get_seqs()[0].seq_id, 0))
+            for x in out.scheduled_seq_groups]
+
+
+def test_continuation_after_prompt_chunks_decodes_continues_and_admits():
+    """After a step with prompt chunks, the step after it as `schedule` would make it once
+    the samples are in: a sequence whose prompt ended decodes its pending sample (its
+    input starts after the whole chunk), one in the middle of its prompt takes its next
+    chunk under the token budget (sampling when it reaches the prompt's end), and a
+    waiting request is admitted with what budget is left."""
+    s, groups = scheduler_with([[1] * 5, [2] * 9], max_num_batched_tokens=8, max_tokens=20)
+    prev = s.schedule()
+    assert [(x.token_chunk_size, x.do_sample) for x in prev.scheduled_seq_groups] == \
+        [(5, True), (3, False)]
+    s.add_seq_group(SequenceGroup("late", [Sequence(7, [3] * 6, 4)], SamplingParams()))
+    nxt = s.schedule_continuation(prev, 4)
+    assert nxt.num_steps == 1
+    assert _rows(nxt) == [("r0", 1, True, 5), ("r1", 6, True, 3), ("late", 1, False, 0)]
+    assert nxt.num_batched_tokens == 8
+    (r0,) = groups[0].get_seqs()
+    assert len(nxt.block_tables[r0.seq_id]) * 4 >= r0.get_len() + 1  # the pending sample's slot
+    s.block_manager.check_invariants()
+    # The engine's order: `prev`'s update, then the continuation's.
+    mark_step_computed(s, prev)
+    r0.append_token(1)
+    mark_step_computed(s, nxt)
+    assert [seq.num_computed_tokens for g in groups for seq in g.get_seqs()] == [6, 9]
+    s.block_manager.check_invariants()
+
+
+def test_a_continuation_keeps_to_the_token_budget():
+    """The rows of a continuation share the token budget in FCFS order, as `schedule`'s: a
+    prompt chunk gets what the rows before it left, and a waiting request nothing."""
+    s, _ = scheduler_with([[1] * 3, [2] * 9, [3] * 2], max_num_batched_tokens=6,
+                          max_tokens=20)
+    prev = s.schedule()
+    assert [(x.token_chunk_size, x.do_sample) for x in prev.scheduled_seq_groups] == \
+        [(3, True), (3, False)]
+    s.add_seq_group(SequenceGroup("late", [Sequence(9, [4] * 6, 4)], SamplingParams()))
+    nxt = s.schedule_continuation(prev, 1)
+    assert _rows(nxt) == [("r0", 1, True, 3), ("r1", 5, False, 3)]
+    assert nxt.num_batched_tokens == 6
+    assert [g.request_id for g in s.waiting] == ["r2", "late"]
+
+
+def test_a_continuation_admits_only_what_it_can_carry_on():
+    """A waiting request that forks or reads its own output at its first sample, or has a
+    grammar, is left for `schedule` (FCFS: nothing after it is admitted either); a step
+    with such a sequence running is not continued."""
+    for params in (dict(n=2), dict(repetition_penalty=1.2),
+                   dict(structured_outputs=StructuredOutputsParams(regex="[a-z]+"))):
+        s, _ = scheduler_with([[1] * 5], max_tokens=20)
+        prev = s.schedule()
+        s.add_seq_group(SequenceGroup("odd", [Sequence(7, [3] * 6, 4)],
+                                      SamplingParams(max_tokens=5, **params)))
+        s.add_seq_group(SequenceGroup("plain", [Sequence(8, [3] * 6, 4)], SamplingParams()))
+        nxt = s.schedule_continuation(prev, 1)
+        assert _rows(nxt) == [("r0", 1, True, 5)], params
+        s, _ = scheduler_with([[1] * 5], max_tokens=20, **params)
+        assert s.schedule_continuation(s.schedule(), 1) is None, params
+
+
+def test_no_continuation_when_the_slots_do_not_fit():
     s, _ = scheduler_with([[1] * 7], max_tokens=40, num_gpu_blocks=3)
     decode_once(s)
     prev = s.schedule(max_num_steps=4)  # the window fills the 2 blocks it has + 1

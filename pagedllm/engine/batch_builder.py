@@ -65,6 +65,7 @@ class StepBatchBuilder:
         tables = out.block_tables
         cow = out.cow_seq_ids
         pending = out.num_pending_tokens
+        pending_of = out.pending_tokens
         # The batch's row lists, appended to directly: this loop runs for every sequence
         # every step.
         add_id, add_tokens = batch.seq_ids.append, batch.new_token_ids.append
@@ -90,17 +91,13 @@ class StepBatchBuilder:
                 if num_tokens > sent.num_tokens:
                     new_tokens = seq.output_token_ids[sent.num_tokens - prompt_len:]
                     sent.num_tokens = num_tokens
-                table = tables[seq_id]
-                if table is not sent.table or (cow and seq_id in cow):
-                    batch.block_tables[seq_id] = (0, list(table))
-                    sent.table, sent.num_blocks = table, len(table)
-                elif len(table) != sent.num_blocks:  # grown (or trimmed: truncates)
-                    batch.block_tables[seq_id] = (min(sent.num_blocks, len(table)),
-                                                  table[sent.num_blocks:])
-                    sent.num_blocks = len(table)
+                table, rewritten = tables[seq_id], bool(cow) and seq_id in cow
+                if table is not sent.table or rewritten or len(table) != sent.num_blocks:
+                    _send_table(batch, seq_id, sent, table, rewritten)
                 add_id(seq_id)
                 add_tokens(new_tokens)
-                add_computed(seq.num_computed_tokens + pending)
+                add_computed(seq.num_computed_tokens + (
+                    pending if pending_of is None else pending_of.get(seq_id, 0)))
                 if spec and seq_id in spec:
                     proposals = out.spec_token_ids.get(seq_id)
                     add_scheduled(chunk + (len(proposals) if proposals is not None
@@ -112,3 +109,15 @@ class StepBatchBuilder:
                         and group.max_num_samples > 1:
                     batch.num_samples[seq_id] = group.max_num_samples
         return batch
+
+
+def _send_table(batch: StepBatch, seq_id: int, sent: _Sent, table: list[int], cow: bool) -> None:
+    """The change of `seq_id`'s block table since the worker last saw it, into `batch`: the
+    whole table when the block manager gave the sequence a new list or a copy-on-write
+    changed it in place, else the blocks it grew by (or the length it was trimmed to)."""
+    if table is not sent.table or cow:
+        batch.block_tables[seq_id] = (0, list(table))
+        sent.table, sent.num_blocks = table, len(table)
+    else:  # grown (or trimmed: truncates)
+        batch.block_tables[seq_id] = (min(sent.num_blocks, len(table)), table[sent.num_blocks:])
+        sent.num_blocks = len(table)

@@ -3,8 +3,9 @@
 
 The executor (pagedllm/contract.py: Executor) executes a StepBatch (plain data) and hands
 back a handle; `sample(handle, masks)` gives the StepResult. With async scheduling the next
-decode window is executed before this one's samples are read
-(Scheduler.schedule_continuation), so the host's update overlaps the device's next forward.
+step (the next decode window, or the step after one with prompt chunks) is executed before
+this one's samples are read (Scheduler.schedule_continuation), so the host's update
+overlaps the device's next forward.
 Requests come in through LLMEngine (engine/llm_engine.py), which adds tokenization and the
 admission checks.
 """
@@ -171,10 +172,10 @@ class EngineCore:
         # A window sampled at execute: the next one can go now (its inputs are these
         # samples, on the device); one sampled under masks: once its samples are in.
         early = not running.batch.defer_token_bitmask
-        ahead = self._launch_ahead(running) if early else None
+        ahead = self._launch_ahead(running, outputs) if early else None
         result = self.worker.sample(running.handle, self.grammar.masks_for(running.batch))
         if not early:
-            ahead = self._launch_ahead(running)
+            ahead = self._launch_ahead(running, outputs)
         if ahead is not None:
             self.grammar.start_ahead(running.batch, result, ahead.batch)
         self._in_flight = ahead
@@ -194,24 +195,33 @@ class EngineCore:
         speculate = self.speculator.enabled()
         out = self.scheduler.schedule(1 if speculate else self.num_scheduler_steps,
                                       structured_ok=self.info.defers_token_bitmask)
-        for group in out.ignored_seq_groups:
-            outputs.append(ignored_output(group, self.info.num_gpu_blocks * self.block_size))
-            self._forget(group)
+        self._answer_ignored(out, outputs)
         if out.is_empty():
             return None
         if speculate:
             self.speculator.propose(out)
         return self._launch(out)
 
-    def _launch_ahead(self, running: _InFlight) -> _InFlight | None:
-        """Async scheduling: the window after `running`, launched before its samples are
-        read (never around a speculative step, which needs the last step's tokens)."""
+    def _answer_ignored(self, out: SchedulerOutput, outputs: list[RequestOutput]) -> None:
+        """Requests the scheduler found can never fit: finished, their outputs to `outputs`."""
+        for group in out.ignored_seq_groups:
+            outputs.append(ignored_output(group, self.info.num_gpu_blocks * self.block_size))
+            self._forget(group)
+
+    def _launch_ahead(self, running: _InFlight,
+                      outputs: list[RequestOutput]) -> _InFlight | None:
+        """Async scheduling: the step after `running`, launched before its samples are
+        read (never around a speculative step, which needs the last step's tokens);
+        waiting requests it finds can never fit go to `outputs`."""
         if not self.async_scheduling or running.out.spec_token_ids or \
                 running.out.num_draft_tokens or self.speculator.enabled():
             return None
         after = self.scheduler.schedule_continuation(
             running.out, self.num_scheduler_steps, structured_ok=self.info.defers_token_bitmask)
-        return None if after is None else self._launch(after, defer_masks=True)
+        if after is None:
+            return None
+        self._answer_ignored(after, outputs)
+        return None if after.is_empty() else self._launch(after, defer_masks=True)
 
     def _launch(self, out: SchedulerOutput, defer_masks: bool = False) -> _InFlight:
         """Build and execute a step; `defer_masks`: launched ahead (async scheduling), its

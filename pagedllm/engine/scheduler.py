@@ -15,14 +15,16 @@ status-filtered lists, counts running sequences only when a queue could admit mo
 hands out the block manager's live block-number lists instead of copies.
 
 Decode windows: when every running request is a plain decode, a step may run several decode
-steps back to back (multi-step, lookahead slots reserved ahead), and with async scheduling
-the next window is scheduled while the current one still runs (`schedule_continuation`).
+steps back to back (multi-step, lookahead slots reserved ahead). With async scheduling the
+next step is scheduled while the current one still runs (`schedule_continuation`): the next
+decode window, or after a step with prompt chunks the next chunks, the pending samples'
+decodes and new admissions.
 """
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -69,6 +71,10 @@ class SchedulerOutput:
     # Async scheduling: tokens every scheduled sequence has sampled on the device in a step
     # still running, not yet appended; this step's input starts after them.
     num_pending_tokens: int = 0
+    # Async scheduling after a step with prompt chunks: seq_id -> the tokens that step
+    # computes of it (its chunk), not yet counted in num_computed_tokens; a sequence not
+    # in it (admitted by this step) has none. Replaces num_pending_tokens where set.
+    pending_tokens: dict[int, int] | None = None
     # Speculative decoding (see `reserve_speculative`): seq_id -> proposed tokens (n-gram),
     # or seq_id -> tokens the worker's draft model proposes.
     spec_token_ids: dict[int, list[int]] = field(default_factory=dict)
@@ -251,40 +257,38 @@ class Scheduler:
     def schedule_continuation(self, prev: SchedulerOutput, max_num_steps: int,
                               structured_ok: bool = False) -> SchedulerOutput | None:
         """Async scheduling: the step after `prev` while `prev` still runs, assuming each of
-        its sequences gets its `prev.num_steps` tokens. Only a decode window that needs
-        nothing of those tokens but their count: `prev` decoded every running request (one
-        sequence each, sampling that reads nothing of its own output), nothing is swapped
-        out, no waiting request could start, and the lookahead slots fit (then they are
-        reserved). Sequences that surely finish by length in `prev` are left out; one that
-        stops on a token or string costs one wasted step. None when the next step must wait
-        for `prev`'s samples. `structured_ok`: sequences with structured outputs may go on
-        (the engine fills their first masks once `prev`'s samples are in)."""
+        its sequences gets its `prev.num_steps` tokens. After a one-step `prev` with prompt
+        chunks, or while a waiting request could start, that is `_continue_mixed`'s step.
+        Otherwise a decode window that needs nothing of those tokens but their count:
+        `prev` decoded every running request (one sequence each, sampling that reads
+        nothing of its own output), nothing is swapped out, and the lookahead slots fit
+        (then they are reserved). Sequences that surely finish by length in `prev` are left
+        out; one that stops on a token or string costs one wasted step. None when the next
+        step must wait for `prev`'s samples. `structured_ok`: sequences with structured
+        outputs may go on in a window (the engine fills their first masks once `prev`'s
+        samples are in)."""
         cfg = self.scheduler_config
-        if self.swapped or (self.waiting and len(self.running) < cfg.max_num_seqs):
+        if self.swapped:
             return None
+        if (self.waiting and len(self.running) < cfg.max_num_seqs) or not all(
+                s.token_chunk_size == 1 and s.do_sample for s in prev.scheduled_seq_groups):
+            return self._continue_mixed(prev) if prev.num_steps == 1 else None
         k = prev.num_steps
         max_len = cfg.max_model_len
         seqs: list[Sequence] = []
         groups: list[SequenceGroup] = []
-        num_live = 0
+        live = self._live_rows(prev)
+        if live is None:
+            return None
         num_steps = max_num_steps
         longest = 1  # the most tokens any sequence may still take
-        for scheduled in prev.scheduled_seq_groups:
+        for scheduled, seq in live:
             group = scheduled.seq_group
-            if scheduled.token_chunk_size != 1 or not scheduled.do_sample:
-                return None
-            if len(group.seqs_dict) != 1:
-                return None
-            (seq,) = group.seqs_dict.values()
-            if seq.status is not RUNNING:
-                continue  # aborted since
-            num_live += 1
             if self._reads_own_output(group) or self._one_step_at_a_time(group, structured_ok):
                 return None
+            if self._finishes_by_length(group, seq, k):
+                continue
             max_tokens = group.sampling_params.max_tokens
-            if (max_tokens is not None and seq.get_output_len() + k >= max_tokens) \
-                    or seq.get_len() + k >= max_len:
-                continue  # finishes by length in `prev`
             room = max_len - (seq.get_len() + k) + 1
             if room < num_steps:
                 num_steps = room
@@ -292,7 +296,7 @@ class Scheduler:
             seqs.append(seq)
             groups.append(group)
         # Every running request is one of `prev`'s, so none waits behind the continuation.
-        if not seqs or num_live != len(self.running):
+        if not seqs or len(live) != len(self.running):
             return None
         num_steps = min(num_steps, longest)
         if not self._reserve_lookahead(seqs, k + num_steps - 1):
@@ -304,6 +308,85 @@ class Scheduler:
             out.scheduled_seq_groups.append(ScheduledSequenceGroup(group, 1, True))
             out.block_tables[seq.seq_id] = tables[seq.seq_id]
         return out
+
+    def _continue_mixed(self, prev: SchedulerOutput) -> SchedulerOutput | None:
+        """Async scheduling after a one-step `prev` with prompt chunks, or while requests
+        wait: the step after it, as `schedule` would make it once `prev`'s samples are in.
+        Each of `prev`'s sequences goes on where `prev` leaves it, in `prev`'s (FCFS)
+        order under the token budget: one that samples in `prev` decodes that pending
+        sample, one in the middle of its prompt takes its next chunk; then waiting requests
+        are admitted. Only what needs nothing of `prev`'s samples but their count: every
+        running request is one of `prev`'s, one sequence each, none reading its own output
+        or constrained by a grammar; the prompt chunks need no block (a prompt's blocks
+        come at admission) and the decode slots fit (then they are reserved); nothing is
+        preempted. None otherwise. A sequence that stops on a token in `prev` costs one
+        wasted token here."""
+        cfg = self.scheduler_config
+        out = SchedulerOutput(pending_tokens={})
+        decodes: list[Sequence] = []
+        rows: list[tuple[SequenceGroup, Sequence, int, bool]] = []
+        budget = cfg.max_num_batched_tokens
+        live = self._live_rows(prev)
+        if live is None:
+            return None
+        for scheduled, seq in live:
+            group = scheduled.seq_group
+            if not self._continues(group):
+                return None
+            done = seq.num_computed_tokens + scheduled.token_chunk_size  # once `prev` ran
+            if scheduled.do_sample:
+                if self._finishes_by_length(group, seq, 1):
+                    continue
+                chunk, do_sample = min(1, budget), True
+            else:
+                if self.block_manager.num_blocks_to_append([seq]):
+                    return None
+                chunk = min(seq.get_len() - done, budget)
+                do_sample = done + chunk == seq.get_len()
+            if chunk <= 0:
+                continue  # out of budget: `schedule` takes it up after this step
+            budget -= chunk
+            if scheduled.do_sample:
+                decodes.append(seq)
+            rows.append((group, seq, chunk, do_sample))
+            out.pending_tokens[seq.seq_id] = scheduled.token_chunk_size
+        if len(live) != len(self.running) or not self._reserve_lookahead(decodes, 1):
+            return None
+        tables = self.block_manager.block_number_tables
+        for group, seq, chunk, do_sample in rows:
+            out.scheduled_seq_groups.append(ScheduledSequenceGroup(group, chunk, do_sample))
+            out.block_tables[seq.seq_id] = tables[seq.seq_id]
+        out.num_batched_tokens = cfg.max_num_batched_tokens - budget
+        if self.waiting:
+            self._schedule_waiting(out, len(self.running), admit=self._continues)
+        return out if out.scheduled_seq_groups or out.ignored_seq_groups else None
+
+    @staticmethod
+    def _live_rows(prev: SchedulerOutput) -> list[tuple[ScheduledSequenceGroup, Sequence]] | None:
+        """`prev`'s groups still running (not aborted since), each with its one sequence;
+        None when a group has several (its forks: the step after must see their samples)."""
+        live = []
+        for scheduled in prev.scheduled_seq_groups:
+            seqs = scheduled.seq_group.seqs_dict
+            if len(seqs) != 1:
+                return None
+            (seq,) = seqs.values()
+            if seq.status is RUNNING:
+                live.append((scheduled, seq))
+        return live
+
+    def _finishes_by_length(self, group: SequenceGroup, seq: Sequence, num_tokens: int) -> bool:
+        """`seq` reaches max_tokens or max_model_len with `num_tokens` more tokens."""
+        max_tokens = group.sampling_params.max_tokens
+        return (max_tokens is not None and seq.get_output_len() + num_tokens >= max_tokens) \
+            or seq.get_len() + num_tokens >= self.scheduler_config.max_model_len
+
+    @staticmethod
+    def _continues(group: SequenceGroup) -> bool:
+        """A request `_continue_mixed` may carry on, and so admit: one sequence that
+        neither reads its own output (nor forks) nor samples under a grammar."""
+        return len(group.seqs_dict) == 1 and not Scheduler._reads_own_output(group) \
+            and group.sampling_params.structured_outputs is None
 
     @staticmethod
     def _reads_own_output(group: SequenceGroup) -> bool:
@@ -526,11 +609,16 @@ class Scheduler:
             self._add_scheduled(out, group, seqs, chunk)
         return num_seqs
 
-    def _schedule_waiting(self, out: SchedulerOutput, num_seqs: int) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, num_seqs: int,
+                          admit: Callable[[SequenceGroup], bool] | None = None) -> None:
+        """Admit waiting groups in order while they fit; `admit`: stop at the first group
+        it refuses (a continuation's)."""
         max_seqs = self.scheduler_config.max_num_seqs
         max_len = self.scheduler_config.max_model_len
         while self.waiting:
             group = self.waiting[0]
+            if admit is not None and not admit(group):
+                break
             seq = group.get_seqs(SequenceStatus.WAITING)[0]
             if seq.get_prompt_len() > max_len:
                 self.waiting.popleft()
