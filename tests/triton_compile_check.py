@@ -109,8 +109,12 @@ def scenarios() -> list[tuple[str, Callable[[], None]]]:
         triton_fp8.quantize_rows(x)
         triton_ops.triton_rms_norm_fp8(x, torch.ones(4096, dtype=bf16), 1e-6)
         triton_ops.triton_rms_norm_fp8(x, torch.ones(4096, dtype=bf16), 1e-6, residual=x.clone())
-        triton_ops.triton_silu_and_mul_fp8(torch.zeros(40, 2 * 14336, dtype=bf16))  # 2 passes
-        triton_ops.triton_silu_and_mul_fp8(torch.zeros(40, 2 * 3072, dtype=bf16))  # 1 pass
+        triton_ops.triton_silu_and_mul_fp8(torch.zeros(40, 2 * 14336, dtype=bf16))  # 1 pass
+        saved, triton_ops.FP8_ROW_BLOCK = triton_ops.FP8_ROW_BLOCK, 4096
+        try:  # PAGEDLLM_FP8_ROW_BLOCK=4096: 2 passes of 4,096 (gpu-check's sharegpt-fp8-twopass)
+            triton_ops.triton_silu_and_mul_fp8(torch.zeros(40, 2 * 14336, dtype=bf16))
+        finally:
+            triton_ops.FP8_ROW_BLOCK = saved
     out.append(("FP8 activation rows (alone, after RMSNorm, after SiLU-and-mul)", fp8_rows))
     out.append(("sampling", sampling))
     out.append(("grammar bitmask", lambda: triton_bitmask.apply_token_bitmask_(
