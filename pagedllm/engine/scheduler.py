@@ -270,9 +270,14 @@ class Scheduler:
         cfg = self.scheduler_config
         if self.swapped:
             return None
-        if (self.waiting and len(self.running) < cfg.max_num_seqs) or not all(
-                s.token_chunk_size == 1 and s.do_sample for s in prev.scheduled_seq_groups):
-            return self._continue_mixed(prev) if prev.num_steps == 1 else None
+        admits = bool(self.waiting) and len(self.running) < cfg.max_num_seqs
+        # A window of several steps decodes every row (`_is_whole_decode`, or a window
+        # continued): only a one-step `prev` may hold prompt chunks.
+        if prev.num_steps == 1 and (admits or not all(
+                s.token_chunk_size == 1 and s.do_sample for s in prev.scheduled_seq_groups)):
+            return self._continue_mixed(prev)
+        if admits:
+            return None
         k = prev.num_steps
         max_len = cfg.max_model_len
         seqs: list[Sequence] = []
