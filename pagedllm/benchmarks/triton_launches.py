@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
+import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
@@ -123,8 +124,6 @@ def compile_decode_kernel(cache_dtype: torch.dtype, block_n: int | None = None,
     """The decode attention kernel compiled for sm_90 as launch_attention launches it (bf16
     queries, 4 splits) over a cache of `cache_dtype`: its `asm` (ttir ... ptx, cubin).
     `block_n` / `num_warps`: launch choices other than the engine's."""
-    import triton
-
     compiled = []
 
     def compile(fn: JITFunction, source: ASTSource, options: dict) -> None:
