@@ -252,6 +252,8 @@ def main() -> None:
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes (CPU)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--constrained-only", action="store_true", help="skip the unconstrained run")
+    p.add_argument("--unconstrained-only", action="store_true", help="skip the constrained run")
+    p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--mask-threads", type=int, default=None,
                    help="llguidance's mask-filling threads (default: the engine's)")
     p.add_argument("--show-syncs", action="store_true",
@@ -276,15 +278,20 @@ def main() -> None:
     constraint = (StructuredOutputsParams(json=STRUCTURED_JSON) if args.constraint == "json"
                   else StructuredOutputsParams(regex=STRUCTURED_TEXT))
     n = args.max_tokens
-    plain = SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n)
+    plain = SamplingParams(temperature=args.temperature, top_p=args.top_p, ignore_eos=True,
+                           max_tokens=n)
     constrained = SamplingParams(temperature=args.temperature, max_tokens=n,
                                  min_tokens=n if args.constraint == "text" else 0,
                                  structured_outputs=constraint)
     half = args.batch // 2
     runs = [("unconstrained", [plain] * args.batch),
             (f"{half}/{args.batch} constrained", [constrained] * half + [plain] * (args.batch - half))]
+    if args.constrained_only and args.unconstrained_only:
+        p.error("--constrained-only and --unconstrained-only leave no run")
     if args.constrained_only:
         runs = runs[1:]
+    if args.unconstrained_only:
+        runs = runs[:1]
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, structured_outputs=constraint),
                  use_tqdm=False)
     install(llm, args.mask_threads)

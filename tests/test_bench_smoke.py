@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 
 import pytest
 import torch
@@ -398,3 +399,43 @@ def test_host_profile_script_wraps_the_engine_it_runs(tmp_path):
     for row in ("unconstrained: 16 tokens", "2/4 constrained: ", "scheduler.schedule",
                 "scheduler.update_from_output", "outputs.process", "runner.gather"):
         assert row in run.stdout, run.stdout
+
+
+def test_host_stalls_time_each_call_and_restore_the_method(capsys):
+    from pagedllm.benchmarks.kernel_profile import host_stall_report, timed_calls
+
+    def my_kernel():
+        pass
+
+    class Jit:  # as triton's JITFunction: `fn` is the kernel's Python function
+        fn = staticmethod(my_kernel)
+
+        def compile(self, ms):
+            time.sleep(ms / 1e3)
+            return ms
+
+    original = Jit.compile
+    with timed_calls(Jit, "compile") as calls:
+        assert Jit().compile(30) == 30
+        Jit().compile(1)
+    assert Jit.compile is original
+    assert [name for _, name, _ in calls] == ["my_kernel"] * 2 and calls[0][0] <= calls[1][0]
+    assert 25 < calls[0][2] < 1000 and calls[1][2] < calls[0][2]
+    lines = host_stall_report(calls, {"num_alloc_retries": 1}, {"num_alloc_retries": 3})
+    assert lines[0].startswith("Triton compiles or loads in the run: 2 (")
+    assert lines[1].split()[-1] == "my_kernel" and float(lines[1].split()[1]) >= 25  # longest first
+    assert lines[-1] == "CUDA caching allocator in the run: num_alloc_retries +2"
+    assert host_stall_report([], {}, {}) == ["Triton compiles or loads in the run: 0 (0.000 s)"]
+
+
+def test_jit_compiles_hooks_this_tritons_compile():
+    triton = pytest.importorskip("triton")
+    from triton.runtime.jit import JITFunction
+
+    from pagedllm.benchmarks.kernel_profile import jit_compiles
+
+    assert hasattr(JITFunction, "_do_compile"), triton.__version__  # else nothing is counted
+    original = JITFunction._do_compile
+    with jit_compiles() as calls:
+        assert JITFunction._do_compile is not original
+    assert JITFunction._do_compile is original and calls == []

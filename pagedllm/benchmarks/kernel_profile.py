@@ -1,11 +1,15 @@
 """Kernel time by kind over one timed run (`pagedllm bench sharegpt --profile`, and nano's):
 torch's profiler records every CUDA kernel of the run, and their durations are summed into
 the kinds of issue 31's table. Beside the run's wall time the sum gives the GPU-busy share
-(what is left is host gaps). The profiler's own overhead lowers the run's tok/s a little:
-compare tok/s across runs without --profile."""
+(what is left is host gaps). The device's idle gaps by length follow, and what can stall the
+host mid-run: Triton compiling (or loading) a kernel variant first launched in the run, and
+the caching allocator's cudaMalloc / cudaFree calls. The profiler's own overhead lowers the
+run's tok/s a little: compare tok/s across runs without --profile."""
 from __future__ import annotations
 
+import functools
 import re
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -28,6 +32,10 @@ TOP = 30
 # steps (eager kernels), a few long ones are the host waiting on the device or the reverse.
 GAP_BUCKETS_US = (20, 200, 2000)
 TOP_GAPS = 10
+# The caching allocator's counters whose change over the run is printed: a cudaMalloc or
+# cudaFree mid-run stalls the host, and a retry frees the whole cache after waiting for the
+# device.
+ALLOCATOR_COUNTERS = ("num_device_alloc", "num_device_free", "num_alloc_retries")
 
 
 def kind_of(kernel: str) -> str:
@@ -46,8 +54,10 @@ def kernel_profile(enabled: bool) -> Iterator[dict[str, float]]:
         return
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    allocator_before = allocator_counters()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof, jit_compiles() as compiles:
         yield seconds
+    allocator_after = allocator_counters()
     for kind, _ in KINDS:
         seconds[kind] = 0.0
     kernels = []
@@ -62,6 +72,71 @@ def kernel_profile(enabled: bool) -> Iterator[dict[str, float]]:
     for secs, calls, name in sorted(kernels, reverse=True)[:TOP]:
         print(f"  {secs:8.3f} {calls:8d}  {name[:110]}")
     print_gaps(prof)
+    print("\n".join(host_stall_report(compiles, allocator_before, allocator_after)))
+
+
+@contextmanager
+def timed_calls(owner: object, name: str) -> Iterator[list[tuple[float, str, float]]]:
+    """Inside, each call of the method `owner.name` is recorded as (seconds since the block
+    began, the name of `self.fn` (a JITFunction's kernel) or "?", milliseconds it took)."""
+    calls: list[tuple[float, str, float]] = []
+    inner = getattr(owner, name)
+    t0 = time.perf_counter()
+
+    @functools.wraps(inner)
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            label = getattr(getattr(args[0], "fn", None), "__name__", "?") if args else "?"
+            calls.append((start - t0, label, (time.perf_counter() - start) * 1e3))
+
+    setattr(owner, name, timed)
+    try:
+        yield calls
+    finally:
+        setattr(owner, name, inner)
+
+
+@contextmanager
+def jit_compiles() -> Iterator[list[tuple[float, str, float]]]:
+    """Triton's compiles inside: a kernel variant (its constexprs and the JIT's
+    specialization of its arguments) launched for the first time in the process is compiled,
+    or loaded from Triton's disk cache, on the launching thread while the device may idle.
+    Empty where Triton or its JITFunction._do_compile is missing."""
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        JITFunction = None
+    if JITFunction is None or not hasattr(JITFunction, "_do_compile"):
+        yield []
+        return
+    with timed_calls(JITFunction, "_do_compile") as calls:
+        yield calls
+
+
+def allocator_counters() -> dict[str, int]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {key: int(stats.get(key, 0)) for key in ALLOCATOR_COUNTERS}
+
+
+def host_stall_report(compiles: list[tuple[float, str, float]], before: dict[str, int],
+                      after: dict[str, int]) -> list[str]:
+    """Lines: the run's Triton compiles (count, seconds, the longest with when they began in
+    seconds since the run began) and the change of the allocator's counters."""
+    total = sum(ms for _, _, ms in compiles) / 1e3
+    lines = [f"Triton compiles or loads in the run: {len(compiles)} ({total:.3f} s)"]
+    for start, name, ms in sorted(compiles, key=lambda c: -c[2])[:TOP_GAPS]:
+        lines.append(f"  {start:8.3f} {ms:8.2f}  {name}")
+    if after:
+        change = ", ".join(f"{key} +{after[key] - before.get(key, 0)}" for key in after)
+        lines.append(f"CUDA caching allocator in the run: {change}")
+    return lines
 
 
 def idle_gaps(spans: list[tuple[float, float, str]]) -> list[tuple[float, float, str]]:
