@@ -19,7 +19,7 @@ for args in "$@"; do
         PYTHONPATH=$tree:$SITE python3 -P -c "import sys, pagedllm; print('pagedllm from', pagedllm.__file__, file=sys.stderr); from pagedllm.entrypoints.cli import main; sys.exit(main(['bench', *sys.argv[1:]]))" \
             $args --no-peer >"$OUT/ab.log" 2>&1
         rc=$?
-        grep -E "pagedllm from|^pagedllm |tokens_per_s|share|ratio|valid|per constrained|^batch" "$OUT/ab.log"
+        grep -E "pagedllm from|^pagedllm |tokens_per_s|share|ratio|valid|per constrained|^batch|Triton compiles|caching allocator|busy\) \|" "$OUT/ab.log"
         [ $rc -eq 0 ] || { echo "exit $rc:"; tail -5 "$OUT/ab.log"; }
     done
 done
