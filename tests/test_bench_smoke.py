@@ -439,3 +439,29 @@ def test_jit_compiles_hooks_this_tritons_compile():
     with jit_compiles() as calls:
         assert JITFunction._do_compile is not original
     assert JITFunction._do_compile is original and calls == []
+
+
+def test_jit_variants_script_reports_each_kernels_variants():
+    """scripts/jit_variants.py: an engine run whose Triton launches record the JIT's variant
+    instead of running (CPU tensors, no compile): the kernels of a decode step, and what
+    selects a decode variant (its split count) among the parameters that vary."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, str(root / "scripts" / "jit_variants.py"), "--num-requests", "6",
+         "--max-num-seqs", "4", "--max-num-batched-tokens", "512"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    kernels = {line.split(":")[0]: line for line in run.stdout.splitlines()
+               if not line.startswith(" ")}
+    assert {"_paged_decode_kernel", "_paged_prefill_kernel", "_rms_norm_kernel",
+            "_rotary_and_cache_kernel", "_silu_and_mul_kernel"} <= set(kernels), run.stdout
+    decode = run.stdout.split("_paged_decode_kernel:")[1].split("\n_")[0]
+    assert "  NUM_SPLITS: 1, 2" in decode, run.stdout
+    assert kernels["_silu_and_mul_kernel"].endswith(": 1 variants, 0 first launched in the run")

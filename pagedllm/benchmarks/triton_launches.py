@@ -3,7 +3,9 @@
 `compiling_launches(compile)` replaces JITFunction.run for its block: each launch a kernel
 wrapper makes (with CPU tensors) becomes `compile(kernel, source, options)` instead, the
 source built from exactly the arguments and constexprs the wrapper passed, and the CUDA-only
-launch choices (PDL, the SM count) are taken as on an H100. tests/triton_compile_check.py
+launch choices (PDL, the SM count) are taken as on an H100. `intercepted_launches` hands
+each launch's arguments to a callback instead, and `variant_key` names the compiled variant
+the JIT would pick for them (scripts/jit_variants.py). tests/triton_compile_check.py
 runs every kernel's launches through the compiler's front end this way;
 scripts/kernel_resources.py compiles the decode kernel to a cubin and reads its registers.
 
@@ -77,25 +79,57 @@ def _divisible_by_16(value) -> bool:
 
 
 @contextmanager
-def compiling_launches(compile: Compile) -> Iterator[list[str]]:
-    """Inside, Triton launches compile instead of running; yields the launched kernels'
-    names, in order."""
-    launched: list[str] = []
+def intercepted_launches(on_launch: Callable[[JITFunction, tuple, dict], None]) -> Iterator[None]:
+    """Inside, a Triton launch calls on_launch(kernel, args, kwargs) instead of running, and
+    the CUDA-only launch choices (PDL, the SM count) are taken as on an H100."""
 
     def run(self: JITFunction, *args, grid, warmup, **kwargs):
-        compile(self, *launch_source(self, args, kwargs))
-        launched.append(self.fn.__name__)
+        on_launch(self, args, kwargs)
 
     saved = (JITFunction.run, triton_pdl.enabled, triton_attention._num_sms, triton_gemv._num_sms)
     JITFunction.run = run
     triton_pdl.enabled = lambda device: True  # the launches of a device of sm_90
     triton_attention._num_sms = triton_gemv._num_sms = lambda device: H100_SMS
     try:
-        yield launched
+        yield
     finally:
         (JITFunction.run, triton_pdl.enabled, triton_attention._num_sms,
          triton_gemv._num_sms) = saved
 
+
+@contextmanager
+def compiling_launches(compile: Compile) -> Iterator[list[str]]:
+    """Inside, Triton launches compile instead of running; yields the launched kernels'
+    names, in order."""
+    launched: list[str] = []
+
+    def on_launch(fn: JITFunction, args: tuple, kwargs: dict) -> None:
+        compile(fn, *launch_source(fn, args, kwargs))
+        launched.append(fn.fn.__name__)
+
+    with intercepted_launches(on_launch):
+        yield launched
+
+
+def variant_key(fn: JITFunction, args: tuple, kwargs: dict) -> tuple[tuple[str, object], ...]:
+    """What selects the compiled variant of a launch, as the JIT specializes it: each
+    constexpr's value, each integer's class (1, a multiple of 16, other) and each tensor's
+    dtype and 16-byte alignment, except where the kernel opts out (do_not_specialize), and
+    the compile options. (parameter name, its part of the key) pairs."""
+    given = dict(zip((p.name for p in fn.params), args))
+    given.update(kwargs)
+    key: list[tuple[str, object]] = []
+    for p in fn.params:
+        value = given.get(p.name, p.default)
+        if p.is_constexpr or value is None:
+            key.append((p.name, value))
+        elif isinstance(value, torch.Tensor):
+            aligned = _divisible_by_16(value) and not p.do_not_specialize_on_alignment
+            key.append((p.name, (TYPES[value.dtype], "aligned" if aligned else "")))
+        elif isinstance(value, int) and not isinstance(value, bool) and not p.do_not_specialize:
+            key.append((p.name, 1 if value == 1 else 16 if value % 16 == 0 else "other"))
+    key += sorted((k, v) for k, v in kwargs.items() if k in OPTIONS)
+    return tuple(key)
 
 
 def launch_attention(query_dtype: torch.dtype, cache_dtype: torch.dtype, *, decode: bool = True,
