@@ -332,7 +332,7 @@ run_step tp-allreduce 600 "$LOGS/tp.log" $TPRUN "$WORK/bench.py" tp-allreduce --
     if [ -f "$LOGS/bench.log" ]; then
         echo
         grep -E "^== |KV budget|KV cache:|CUDA graph|Traceback|Error" "$LOGS/bench.log" | cut -c1-160
-        grep -A16 "^device idle gaps" "$LOGS/bench.log" | cut -c1-120  # --profile runs
+        grep -A28 "^device idle gaps" "$LOGS/bench.log" | cut -c1-120  # --profile runs: gaps, compiles, allocator
         for w in $BENCHES decode-8b-fp8 throughput-8b-fp8 decode-8b-nopdl decode-8b-fp8-nopdl decode-8b-nofold decode-8b-fp8-nofold decode-8b-norope decode-8b-fp8-norope sharegpt sharegpt-sortfree \
                 sharegpt-fp8 sharegpt-fp8-promoted sharegpt-fp8-nofuse sharegpt-fp8-onepass sharegpt-profile sharegpt-fp8-profile \
                 sharegpt-bn64 sharegpt-w8 sharegpt-bn64-w8 sharegpt-fp8-w8 sharegpt-fp8-bf16dots sharegpt-graphs1024 sharegpt-fp8-graphs1024 nano-profile tp-decode-8b tp-throughput-8b $SPEC_STEPS; do  # each table follows "results:"

@@ -117,6 +117,7 @@ def jit_compiles() -> Iterator[list[tuple[float, str, float]]]:
 
 
 def allocator_counters() -> dict[str, int]:
+    """ALLOCATOR_COUNTERS of the current CUDA device now (empty without CUDA)."""
     import torch
 
     if not torch.cuda.is_available():
