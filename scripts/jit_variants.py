@@ -28,7 +28,7 @@ os.environ.pop("TRITON_INTERPRET", None)  # the JIT's launches, intercepted, not
 from pagedllm import LLM, SamplingParams  # noqa: E402
 from pagedllm.benchmarks.triton_launches import intercepted_launches, variant_key  # noqa: E402
 from pagedllm.benchmarks.workloads import (  # noqa: E402
-    SHAREGPT_SIGMA_INPUT, SHAREGPT_SIGMA_OUTPUT, lognormal_lengths,
+    SHAREGPT_SIGMA_INPUT, SHAREGPT_SIGMA_OUTPUT, lognormal_lengths, warm_up,
 )
 from pagedllm.layers import dispatch  # noqa: E402
 
@@ -82,8 +82,7 @@ def main() -> int:
                   max_num_seqs=args.max_num_seqs, kv_cache_memory=2 << 30,
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   enable_prefix_caching=False)
-        warm = [SamplingParams(max_tokens=4, ignore_eos=True, temperature=t) for t in (0.0, 0.8)]
-        llm.generate([[5] * 17, [6] * 40], warm, use_tqdm=False)  # bench's warm_up
+        warm_up(llm, vocab=MODEL["vocab_size"])  # as `bench sharegpt` before its timed run
         phase = "run"
         llm.generate(prompts, params, use_tqdm=False)
     print("\n".join(report(first_seen)))

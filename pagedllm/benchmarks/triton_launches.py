@@ -52,27 +52,34 @@ def arg_type(value) -> str:
 def launch_source(fn: JITFunction, args: tuple, kwargs: dict) -> tuple[ASTSource, dict]:
     """(the source of fn at this launch's arguments and constexprs, its compile options)."""
     signature, constexprs, attrs = {}, {}, {}
-    given = dict(zip((p.name for p in fn.params), args))
-    given.update((k, v) for k, v in kwargs.items() if k not in OPTIONS)
-    for i, p in enumerate(fn.params):
-        value = given.get(p.name, p.default)
+    for i, (p, value) in enumerate(_launch_values(fn, args, kwargs)):
         if value is inspect.Parameter.empty:
             raise TypeError(f"{fn.fn.__name__}: no value for {p.name}")
         if p.is_constexpr or value is None:
             signature[p.name], constexprs[p.name] = "constexpr", value
             continue
         signature[p.name] = arg_type(value)
-        if _divisible_by_16(value):
+        if _divisible_by_16(p, value):
             attrs[(i,)] = [["tt.divisibility", 16]]
     options = {k: v for k, v in kwargs.items() if k in OPTIONS}
     return ASTSource(fn, signature, constexprs=constexprs, attrs=attrs), options
 
 
-def _divisible_by_16(value) -> bool:
+def _launch_values(fn: JITFunction, args: tuple, kwargs: dict) -> list[tuple[object, object]]:
+    """Each of fn's parameters with the value this launch gives it (else its default)."""
+    given = dict(zip((p.name for p in fn.params), args))
+    given.update((k, v) for k, v in kwargs.items() if k not in OPTIONS)
+    return [(p, given.get(p.name, p.default)) for p in fn.params]
+
+
+def _divisible_by_16(param, value) -> bool:
     """Whether the JIT would specialize this argument as divisible by 16 (a pointer 16-byte
-    aligned, an integer a multiple of 16). The compiler proves vector widths from these
-    hints: without them a kernel compiles to narrower loads, other registers and spills
-    than the GPU's launch of it."""
+    aligned, an integer a multiple of 16), unless the kernel opts the parameter out
+    (do_not_specialize, do_not_specialize_on_alignment). The compiler proves vector widths
+    from these hints: without them a kernel compiles to narrower loads, other registers and
+    spills than the GPU's launch of it."""
+    if param.do_not_specialize or param.do_not_specialize_on_alignment:
+        return False
     if isinstance(value, torch.Tensor):
         return value.data_ptr() % 16 == 0
     return isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0
@@ -116,18 +123,15 @@ def variant_key(fn: JITFunction, args: tuple, kwargs: dict) -> tuple[tuple[str, 
     constexpr's value, each integer's class (1, a multiple of 16, other) and each tensor's
     dtype and 16-byte alignment, except where the kernel opts out (do_not_specialize), and
     the compile options. (parameter name, its part of the key) pairs."""
-    given = dict(zip((p.name for p in fn.params), args))
-    given.update(kwargs)
     key: list[tuple[str, object]] = []
-    for p in fn.params:
-        value = given.get(p.name, p.default)
+    for p, value in _launch_values(fn, args, kwargs):
         if p.is_constexpr or value is None:
             key.append((p.name, value))
         elif isinstance(value, torch.Tensor):
-            aligned = _divisible_by_16(value) and not p.do_not_specialize_on_alignment
-            key.append((p.name, (TYPES[value.dtype], "aligned" if aligned else "")))
+            aligned = "aligned" if _divisible_by_16(p, value) else ""
+            key.append((p.name, (TYPES[value.dtype], aligned)))
         elif isinstance(value, int) and not isinstance(value, bool) and not p.do_not_specialize:
-            key.append((p.name, 1 if value == 1 else 16 if value % 16 == 0 else "other"))
+            key.append((p.name, 1 if value == 1 else 16 if _divisible_by_16(p, value) else "other"))
     key += sorted((k, v) for k, v in kwargs.items() if k in OPTIONS)
     return tuple(key)
 
