@@ -207,7 +207,14 @@ def _merge_partials(out_rows, part_m_ptr, part_l_ptr, part_acc_ptr, part, num_ac
     tl.store(out_rows, out.to(out_rows.dtype.element_ty), mask=row_valid[:, None])
 
 
-@triton.jit
+# The arguments that change from step to step (the batch's block-table width, the tiles a
+# split takes) are not specialized: the JIT would otherwise compile a kernel per class of
+# their values (1, a multiple of 16, other), each first met mid-run, where its compile (or
+# load from Triton's cache) stalls the host. Nothing in the kernels gains from the hints.
+STEP_ARGS = ("stride_bt", "min_tiles")
+
+
+@triton.jit(do_not_specialize=STEP_ARGS)
 def _paged_decode_kernel(
     out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, count_ptr,
     q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, alibi_ptr,
@@ -303,7 +310,7 @@ def _paged_decode_kernel(
 # --------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=STEP_ARGS[:1])
 def _paged_prefill_kernel(
     out_ptr, q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, alibi_ptr,
     qk_scale, sliding_window,
