@@ -354,7 +354,9 @@ class Worker:
 
     @torch.inference_mode()
     def _profile_run(self) -> None:
-        """One forward at the largest batch the scheduler can form, plus its logits."""
+        """One forward at the largest batch the scheduler can form, plus its logits, over a
+        cache of the engine's KV dtype: its kernels (an FP8 cache's prefill and writes) are
+        compiled here, not in the first prompt step."""
         tokens = self.max_num_batched_tokens
         seq_len = min(self.max_model_len, tokens)
         lens = [seq_len] * (tokens // seq_len) + ([tokens % seq_len] if tokens % seq_len else [])
@@ -363,7 +365,7 @@ class Worker:
         c = self.kv_config
         caches = [
             torch.empty((2, num_blocks, bs, c.num_key_value_heads, c.head_dim),
-                        dtype=self.dtype, device=d)
+                        dtype=self.kv_cache_dtype, device=d)
             for d in self.device_map.layer_devices
         ]
         positions, slots, tables, next_block = [], [], [], 0
