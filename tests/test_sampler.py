@@ -358,3 +358,22 @@ def test_compute_prompt_logprobs():
         compute_prompt_logprobs(logits, [0, 0, 0, 0, 25], 1)
     with pytest.raises(ValueError, match="one row per next token"):
         compute_prompt_logprobs(logits, [0, 1], 1)
+
+
+def test_warm_up_draws_each_kind_alone_then_together_and_keeps_the_random_state(monkeypatch):
+    from pagedllm.layers.sampler import WARM_UP_PARAMS
+
+    sampler = Sampler([EOS])
+    batches = []
+    inner = sampler.sample
+    monkeypatch.setattr(sampler, "sample", lambda logits, rows: batches.append(
+        [r.params for r in rows]) or inner(logits, rows))
+    logits = torch.randn(len(WARM_UP_PARAMS), 300)
+    torch.manual_seed(7)
+    expected = torch.rand(4)
+    torch.manual_seed(7)
+    sampler.warm_up(logits)
+    assert torch.equal(torch.rand(4), expected)  # unseeded requests draw as without it
+    assert batches == [[p] for p in WARM_UP_PARAMS] + [list(WARM_UP_PARAMS)]
+    with pytest.raises(ValueError, match="warm_up takes 9 rows of logits, got 2"):
+        sampler.warm_up(logits[:2])

@@ -89,6 +89,20 @@ def sampler_kind() -> str:
     return kind
 
 
+# One row of each kind the sampling paths tell apart, for Sampler.warm_up.
+WARM_UP_PARAMS = (
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.8),
+    SamplingParams(temperature=0.8, top_p=0.95),
+    SamplingParams(temperature=0.8, top_k=40),
+    SamplingParams(temperature=0.8, min_p=0.05),
+    SamplingParams(temperature=0.8, top_k=40, top_p=0.9),
+    SamplingParams(temperature=0.8, repetition_penalty=1.1),
+    SamplingParams(temperature=0.8, seed=0),
+    SamplingParams(temperature=0.0, logprobs=5),
+)
+
+
 class Sampler:
     def __init__(self, eos_token_ids: list[int]) -> None:
         self.eos_token_ids = list(eos_token_ids)
@@ -136,6 +150,23 @@ class Sampler:
         with_rank = any(r.params.logprobs is not None for r in rows)
         packed = _pack_logprobs(logits, sample_rows, token_ids, max(num_top), with_rank, lse)
         return SampledBatch(token_ids, packed, rows, num_top)
+
+    def warm_up(self, logits: torch.Tensor) -> None:
+        """Draw from `logits` [len(WARM_UP_PARAMS), vocab] with each kind of row alone, then
+        with all of them in one batch, and wait for the draws: on CUDA each path's Triton
+        kernels compile (or load from Triton's cache) here, at start-up, not under the first
+        request that takes the path. torch's random state is left as it was."""
+        if logits.shape[0] != len(WARM_UP_PARAMS):
+            raise ValueError(f"warm_up takes {len(WARM_UP_PARAMS)} rows of logits, "
+                             f"got {logits.shape[0]}")
+        devices = [logits.device] if logits.is_cuda else []
+        with torch.random.fork_rng(devices=devices):
+            for kinds in [[i] for i in range(len(WARM_UP_PARAMS))] + [range(len(WARM_UP_PARAMS))]:
+                rows = [SamplingRow(WARM_UP_PARAMS[i], [1, 2], [3],
+                                    generator=make_generator(0, logits.device)
+                                    if WARM_UP_PARAMS[i].seed is not None else None)
+                        for i in kinds]
+                self.sample(logits[list(kinds)], rows).packed.cpu()
 
     def process_logits(self, logits: torch.Tensor, rows: list[SamplingRow],
                        steps_ahead: int = 0) -> torch.Tensor:

@@ -18,6 +18,7 @@ from pagedllm.distributed.communication import all_reduce_min
 from pagedllm.engine_args import EngineArgs
 from pagedllm.kernels.metadata import PagedAttentionInputMetadata, slots_for
 from pagedllm.layers.gguf_linear import is_packed, unloaded_parts
+from pagedllm.layers.sampler import WARM_UP_PARAMS
 from pagedllm.loader import initialize_dummy_weights, load_model_source
 from pagedllm.loader.gguf_loader import packed_tensor_types
 from pagedllm.models.device_map import DeviceMap
@@ -196,8 +197,20 @@ class Worker:
             self._init_draft_cache(args, draft)
         if self.runner.graphs is not None:
             self.runner.graphs.capture(self.cache_engine.gpu_cache)
+        if self.device_map.input_device.type == "cuda":
+            self._warm_up_sampler()
         self._log_placement(args.block_size, all_layers_block)
         self._bound_batch_limits(args)
+
+    @torch.inference_mode()
+    def _warm_up_sampler(self) -> None:
+        """The LM head and every sampling path once (Sampler.warm_up), on logits of random
+        hidden states: their kernels compile at start-up, not under the first request."""
+        generator = torch.Generator(device=self.device_map.input_device).manual_seed(0)
+        hidden = torch.randn(len(WARM_UP_PARAMS), self.model_config.hidden_size,
+                             generator=generator, device=self.device_map.input_device,
+                             dtype=self.dtype)
+        self.runner.sampler.warm_up(self.model.compute_logits(hidden))
 
     def _init_draft_cache(self, args: EngineArgs, draft: nn.Module) -> None:
         from pagedllm.worker.draft_model import DraftProposer
