@@ -10,7 +10,8 @@
 #                  test-fp8 (FP8 linears, agreement with bf16), test-device-map (CPU offload,
 #                  two GPUs), test-fp8-kv-cache (attention over an FP8 KV cache; greedy
 #                  agreement FP8 KV vs bf16 KV), test-sortfree-sampler (thresholds == the
-#                  sort at 128k vocab, chi-square of the draws), tp-parity (TP=2 == TP=1)
+#                  sort at 128k vocab, chi-square of the draws), test-warm-start (serving
+#                  compiles no Triton kernel after the start), tp-parity (TP=2 == TP=1)
 #   sharegpt sharegpt-sort sharegpt-sortfree sharegpt-fp8 sharegpt-profile
 #   sharegpt-fp8-profile (not in the default list) `pagedllm bench sharegpt` with the
 #                  default sampler (PAGEDLLM_SAMPLER=rejection), =sort, =sortfree; the
@@ -182,7 +183,7 @@ PEERS=${GPU_CHECK_PEERS:-nano}
 PYTEST=($PY -m pytest -q -p no:cacheprovider -rP)  # -rP: the tests' printed reports too
 run_step kernels 300 "$LOGS/kernels.log" "${PYTEST[@]}" tests/test_kernels.py tests/test_norm_fold.py
 run_step gpu-tests 2400 "$LOGS/gpu_tests.log" "${PYTEST[@]}" -m cuda tests/gpu
-for t in parity kernel-checks fp8 device-map fp8-kv-cache sortfree-sampler; do
+for t in parity kernel-checks fp8 device-map fp8-kv-cache sortfree-sampler warm-start; do
     run_step "test-$t" 900 "$LOGS/gpu_tests.log" "${PYTEST[@]}" -m cuda "tests/gpu/test_${t//-/_}.py"
 done
 run_step tp-parity 1800 "$LOGS/tp.log" "${PYTEST[@]}" -m cuda tests/gpu/test_tp.py
