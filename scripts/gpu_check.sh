@@ -34,10 +34,10 @@
 #   sharegpt-fp8-2stages  sharegpt-fp8 with PAGEDLLM_DECODE_NUM_STAGES=2 (decode attention
 #                  over the FP8 cache pipelined in 2 stages instead of 3; compare with
 #                  sharegpt-fp8)
-#   sharegpt-graphs1024  sharegpt with decode graphs captured up to 1,024 sequences
-#                  (PAGEDLLM_MAX_GRAPH_BATCH=1024; the default caps them at 512, so the mix's
-#                  first few hundred decode steps run eager): compare with sharegpt
-#   sharegpt-fp8-graphs1024  the same over sharegpt-fp8 (compare with sharegpt-fp8)
+#   sharegpt-graphs512  sharegpt with decode graphs captured up to 512 sequences only
+#                  (PAGEDLLM_MAX_GRAPH_BATCH=512; the default 1,024), so the mix's first few
+#                  hundred decode steps run eager: compare with sharegpt
+#   sharegpt-fp8-graphs512  the same over sharegpt-fp8 (compare with sharegpt-fp8)
 #   sharegpt-bn64  the default with PAGEDLLM_DECODE_BLOCK_N=64 (decode attention's keys per
 #                  step; the default 128): compare with sharegpt of the same run
 #   sharegpt-w8 sharegpt-bn64-w8 sharegpt-fp8-w8
@@ -252,12 +252,12 @@ for heads in (32, 16):
 for w in sharegpt sharegpt-sort sharegpt-sortfree sharegpt-fp8 sharegpt-fp8-promoted sharegpt-profile \
         sharegpt-fp8-profile sharegpt-bn64 sharegpt-w8 sharegpt-bn64-w8 sharegpt-fp8-w8 \
         sharegpt-fp8-bf16dots sharegpt-fp8-nofuse sharegpt-fp8-twopass sharegpt-fp8-2stages \
-        sharegpt-graphs1024 sharegpt-fp8-graphs1024; do
+        sharegpt-graphs512 sharegpt-fp8-graphs512; do
     sampler=rejection extra=() env_ab=()
     case $w in
     sharegpt-bn64) env_ab=(PAGEDLLM_DECODE_BLOCK_N=64) ;;
-    sharegpt-graphs1024) env_ab=(PAGEDLLM_MAX_GRAPH_BATCH=1024) ;;
-    sharegpt-fp8-graphs1024) env_ab=(PAGEDLLM_MAX_GRAPH_BATCH=1024)
+    sharegpt-graphs512) env_ab=(PAGEDLLM_MAX_GRAPH_BATCH=512) ;;
+    sharegpt-fp8-graphs512) env_ab=(PAGEDLLM_MAX_GRAPH_BATCH=512)
         extra=(--quantization fp8 --kv-cache-dtype fp8) ;;
     sharegpt-w8) env_ab=(PAGEDLLM_DECODE_NUM_WARPS=8) ;;
     sharegpt-bn64-w8) env_ab=(PAGEDLLM_DECODE_BLOCK_N=64 PAGEDLLM_DECODE_NUM_WARPS=8) ;;
@@ -336,7 +336,7 @@ run_step tp-allreduce 600 "$LOGS/tp.log" $TPRUN "$WORK/bench.py" tp-allreduce --
         grep -A28 "^device idle gaps" "$LOGS/bench.log" | cut -c1-120  # --profile runs: gaps, compiles, allocator
         for w in $BENCHES decode-8b-fp8 throughput-8b-fp8 decode-8b-nopdl decode-8b-fp8-nopdl decode-8b-nofold decode-8b-fp8-nofold decode-8b-norope decode-8b-fp8-norope sharegpt sharegpt-sortfree \
                 sharegpt-fp8 sharegpt-fp8-promoted sharegpt-fp8-nofuse sharegpt-fp8-onepass sharegpt-profile sharegpt-fp8-profile \
-                sharegpt-bn64 sharegpt-w8 sharegpt-bn64-w8 sharegpt-fp8-w8 sharegpt-fp8-bf16dots sharegpt-graphs1024 sharegpt-fp8-graphs1024 nano-profile tp-decode-8b tp-throughput-8b $SPEC_STEPS; do  # each table follows "results:"
+                sharegpt-bn64 sharegpt-w8 sharegpt-bn64-w8 sharegpt-fp8-w8 sharegpt-fp8-bf16dots sharegpt-graphs512 sharegpt-fp8-graphs512 nano-profile tp-decode-8b tp-throughput-8b $SPEC_STEPS; do  # each table follows "results:"
             sed -n "/^results: .*\/$w.json/,/^== $w:/p" "$LOGS/bench.log" | sed '1s/^/\n/'
         done
     fi
