@@ -46,9 +46,9 @@ logger = logging.getLogger(__name__)
 
 # Graphs up to the GPU's default max_num_seqs (1,024): a step with more sequences than the
 # largest graph launches its ~200 kernels one by one from Python, and at 513-1,024 sequences
-# those launches, not the GPU, set the step's pace (the mix ran 8-9% faster with graphs up
-# to 1,024 than up to 512, docs/benchmarks.md). Each graph costs memory and capture time at
-# start-up; PAGEDLLM_MAX_GRAPH_BATCH moves the cap (gpu-check's sharegpt-graphs512).
+# those launches, not the GPU, set the step's pace (the A/B against a cap of 512 is in
+# docs/benchmarks.md). Each graph costs memory and capture time at start-up;
+# PAGEDLLM_MAX_GRAPH_BATCH moves the cap (gpu-check's sharegpt-graphs512).
 MAX_GRAPH_BATCH_SIZE = int(os.environ.get("PAGEDLLM_MAX_GRAPH_BATCH", "1024"))
 if MAX_GRAPH_BATCH_SIZE < 1:
     raise ValueError(f"PAGEDLLM_MAX_GRAPH_BATCH must be at least 1, got {MAX_GRAPH_BATCH_SIZE}")
