@@ -468,3 +468,31 @@ def test_jit_variants_script_reports_each_kernels_variants():
     assert "stride_bt" not in run.stdout and "min_tiles" not in run.stdout, run.stdout
     assert kernels["_paged_prefill_kernel"].endswith(": 1 variants, 0 first launched in the run")
     assert kernels["_silu_and_mul_kernel"].endswith(": 1 variants, 0 first launched in the run")
+
+
+def test_kernel_resources_counts_the_decode_key_loop():
+    """scripts/kernel_resources.py --loop: the decode kernel compiled for sm_90 on the CPU,
+    its registers and its key loop's instructions a pass; over an FP8 cache the loop holds
+    the E4M3 -> fp16 conversions (F2FP), over bf16 it has none among its top opcodes."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, str(root / "scripts" / "kernel_resources.py"), "--block-n", "128",
+         "--warps", "4", "--loop"], cwd=root, env=env, capture_output=True, text=True,
+        timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = {m.group(1): m for m in re.finditer(
+        r"(bf16|fp8) cache, BLOCK_N 128, 4 warps: REG:\d+ STACK:(\d+)  loop: (\d+) "
+        r"instructions a pass \((.*)\)", run.stdout)}
+    assert set(lines) == {"bf16", "fp8"}, run.stdout
+    for m in lines.values():
+        assert m.group(2) == "0" and int(m.group(3)) > 100, run.stdout  # no spills; a real loop
+        assert re.search(r"\bH\w*MMA\b", m.group(4)), run.stdout  # the two dots are in the loop
+    assert "F2FP" in lines["fp8"].group(4) and "F2FP" not in lines["bf16"].group(4), run.stdout
