@@ -56,6 +56,10 @@
 #   fp8            `pagedllm bench fp8` (FP8 linears at 8B shapes: errors and times), then
 #                  decode-8b and throughput-8b again with --quantization fp8 (compare with
 #                  the bf16 runs of the same call)
+#   issue31        the benches of issue 31's targets (not in the default list): nano,
+#                  decode-8b, decode-8b-fp8, sharegpt, sharegpt-fp8, sharegpt-fp8-profile,
+#                  sharegpt-profile; with GPU_CHECK_PEERS=0 the figures of
+#                  docs/benchmarks.md's "At a glance" table in one run
 #   nano-profile   `pagedllm bench nano --profile --no-peer`: nano's kernels by kind and the
 #                  host gaps (not in the default list)
 #   nano-sync decode-8b-sync throughput-8b-sync
@@ -120,6 +124,9 @@ LOGS=${OUT:-$REPO/gpu-check-logs}
 PY=${PYTHON:-python3}
 STEPS=${GPU_CHECK_STEPS:-kernels,gpu-tests,kernel-bench,nano,decode-8b,throughput-8b,prefix-8b,fp8}
 case ",$STEPS," in *",fp8,"*) STEPS="$STEPS,decode-8b-fp8,throughput-8b-fp8" ;; esac
+case ",$STEPS," in *",issue31,"*)
+    STEPS="$STEPS,nano,decode-8b,decode-8b-fp8,sharegpt,sharegpt-fp8,sharegpt-fp8-profile,sharegpt-profile" ;;
+esac
 WORK=$(mktemp -d /tmp/gpu-check.XXXXXX)
 mkdir -p "$LOGS"
 export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
