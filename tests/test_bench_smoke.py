@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +16,17 @@ from pagedllm.benchmarks import cpu_targets, workloads
 from pagedllm.benchmarks.scheduler_bench import percentile
 from pagedllm.benchmarks.workloads import parse_args
 from pagedllm.entrypoints.usage import EXIT_USAGE, UsageError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_script(name: str, *args: str, interpret: bool = True) -> subprocess.CompletedProcess:
+    """scripts/<name> with these arguments, run by this Python from the repository root.
+    interpret=False: without TRITON_INTERPRET (a script that compiles or intercepts Triton's
+    own launches rather than the interpreter's)."""
+    env = {k: v for k, v in os.environ.items() if interpret or k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / name), *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
 
 GPU_WORKLOADS = ["nano", "decode-8b", "throughput-8b", "prefix-8b"]
 
@@ -379,22 +394,15 @@ def test_serve_bench_at_request_rates_writes_json(tmp_path, capsys):
 def test_host_profile_script_wraps_the_engine_it_runs(tmp_path):
     """scripts/profile_host.py (gpu-check's host-profile step) wraps engine methods by
     name: a tiny run on the CPU, so a renamed method fails here, not on a GPU machine."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     from pagedllm.loader import default_model_path
     from pagedllm.loader.tokenizer import load_tokenizer
 
-    root = Path(__file__).resolve().parent.parent
     load_tokenizer(str(default_model_path())).save_pretrained(tmp_path / "tok")
-    run = subprocess.run(
-        [sys.executable, str(root / "scripts" / "profile_host.py"), "--model", "smollm2-135m",
-         "--load-format", "dummy", "--tokenizer", str(tmp_path / "tok"), "--device", "cpu",
-         "--batch", "4", "--min-input-len", "8", "--max-input-len", "24", "--max-tokens", "4",
-         "--num-scheduler-steps", "2", "--async-scheduling", "--max-num-batched-tokens", "48",
-         "--kv-cache-memory", "50000000"],
-        cwd=root, capture_output=True, text=True, timeout=600)
+    run = run_script(
+        "profile_host.py", "--model", "smollm2-135m", "--load-format", "dummy", "--tokenizer",
+        str(tmp_path / "tok"), "--device", "cpu", "--batch", "4", "--min-input-len", "8",
+        "--max-input-len", "24", "--max-tokens", "4", "--num-scheduler-steps", "2",
+        "--async-scheduling", "--max-num-batched-tokens", "48", "--kv-cache-memory", "50000000")
     assert run.returncode == 0, run.stderr[-3000:]
     for row in ("unconstrained: 16 tokens", "2/4 constrained: ", "scheduler.schedule",
                 "scheduler.update_from_output", "outputs.process", "runner.gather"):
@@ -445,18 +453,9 @@ def test_jit_variants_script_reports_each_kernels_variants():
     """scripts/jit_variants.py: an engine run whose Triton launches record the JIT's variant
     instead of running (CPU tensors, no compile): the kernels of a decode step, and what
     selects a decode variant (its split count) among the parameters that vary."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     pytest.importorskip("triton")
-    root = Path(__file__).resolve().parent.parent
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run(
-        [sys.executable, str(root / "scripts" / "jit_variants.py"), "--num-requests", "6",
-         "--max-num-seqs", "4", "--max-num-batched-tokens", "512"],
-        cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    run = run_script("jit_variants.py", "--num-requests", "6", "--max-num-seqs", "4",
+                     "--max-num-batched-tokens", "512", interpret=False)
     assert run.returncode == 0, run.stderr[-3000:]
     kernels = {line.split(":")[0]: line for line in run.stdout.splitlines()
                if not line.startswith(" ")}
@@ -474,19 +473,11 @@ def test_kernel_resources_counts_the_decode_key_loop():
     """scripts/kernel_resources.py --loop: the decode kernel compiled for sm_90 on the CPU,
     its registers and its key loop's instructions a pass; over an FP8 cache the loop holds
     the E4M3 -> fp16 conversions (F2FP), over bf16 it has none among its top opcodes."""
-    import os
     import re
-    import subprocess
-    import sys
-    from pathlib import Path
 
     pytest.importorskip("triton")
-    root = Path(__file__).resolve().parent.parent
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run(
-        [sys.executable, str(root / "scripts" / "kernel_resources.py"), "--block-n", "128",
-         "--warps", "4", "--loop"], cwd=root, env=env, capture_output=True, text=True,
-        timeout=600)
+    run = run_script("kernel_resources.py", "--block-n", "128", "--warps", "4", "--loop",
+                     interpret=False)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = {m.group(1): m for m in re.finditer(
         r"(bf16|fp8) cache, BLOCK_N 128, 4 warps: REG:\d+ STACK:(\d+)  loop: (\d+) "
