@@ -48,6 +48,11 @@
 #   decode-tune    the decode attention kernel's launch constants over full batches of
 #                  mixed contexts (64, 256, 1,024 sequences; not in the default list)
 #   decode-tune-fp8  decode-tune over an FP8 cache (32 / 8 heads; 2-4 stages)
+#   decode-tune-prefetch decode-tune-prefetch-fp8
+#                  decode-tune's default launch against PAGEDLLM_DECODE_PREFETCH=1 (the
+#                  next tile's block ids loaded a step ahead, so the pipeliner keeps
+#                  stages - 1 key tiles in flight) at 64 / 128 keys, 4 / 8 warps, 3 / 4
+#                  stages; bf16 (32 and 16 heads), then FP8 (32 heads)
 #   top-p-bench    one sampling call at T=0.8, top_p=0.95, 256 rows x 128,256 tokens, with
 #                  each PAGEDLLM_SAMPLER kind (pagedllm/benchmarks/kernel_bench.py)
 #   kernel-bench   `pagedllm bench kernels`: the kernel checks again, then their timings
@@ -60,6 +65,14 @@
 #                  decode-8b, decode-8b-fp8, sharegpt, sharegpt-fp8, sharegpt-fp8-profile,
 #                  sharegpt-profile; with GPU_CHECK_PEERS=0 the figures of
 #                  docs/benchmarks.md's "At a glance" table in one run
+#   nano-dpf sharegpt-dpf sharegpt-fp8-dpf
+#                  nano, sharegpt and sharegpt-fp8 with decode attention's block ids a step
+#                  ahead (PAGEDLLM_DECODE_PREFETCH=1; bf16 at 3 stages): the launch set by
+#                  GPU_CHECK_DPF_ENV / GPU_CHECK_DPF_FP8_ENV, after decode-tune-prefetch (not
+#                  in the default list: compare with nano / sharegpt / sharegpt-fp8)
+#   prefetch-ab    test-parity, then both prefetch A/Bs' micro steps (not in the default
+#                  list): decode-8b and decode-8b-fp8 with and without -pf, and
+#                  decode-tune-prefetch(-fp8)
 #   nano-profile   `pagedllm bench nano --profile --no-peer`: nano's kernels by kind and the
 #                  host gaps (not in the default list)
 #   nano-sync decode-8b-sync throughput-8b-sync
@@ -74,6 +87,10 @@
 #                  instead of folding them and the cache write into a one-row step's GEMVs
 #                  (layers/norm_fold.py); -norope: PAGEDLLM_FOLD_ROPE=0, only the rotary
 #                  kernel and cache write unfolded (not in the default list)
+#   decode-8b-pf decode-8b-fp8-pf
+#                  the same with PAGEDLLM_GEMV_PREFETCH=1: the one-row GEMVs ask L2 for their
+#                  weight slices before the PDL wait (kernels/triton_gemv.py; not in the
+#                  default list: compare with decode-8b / decode-8b-fp8)
 #   tp-parity tp-decode-8b tp-throughput-8b tp-allreduce
 #                  tensor parallelism (not in the default list): greedy fp32 TP=2 == TP=1 on
 #                  a random 30-layer Llama (tests/gpu/test_tp.py); decode-8b / throughput-8b at
@@ -124,6 +141,9 @@ LOGS=${OUT:-$REPO/gpu-check-logs}
 PY=${PYTHON:-python3}
 STEPS=${GPU_CHECK_STEPS:-kernels,gpu-tests,kernel-bench,nano,decode-8b,throughput-8b,prefix-8b,fp8}
 case ",$STEPS," in *",fp8,"*) STEPS="$STEPS,decode-8b-fp8,throughput-8b-fp8" ;; esac
+case ",$STEPS," in *",prefetch-ab,"*)
+    STEPS="$STEPS,test-parity,decode-8b,decode-8b-pf,decode-8b-fp8,decode-8b-fp8-pf,decode-tune-prefetch,decode-tune-prefetch-fp8" ;;
+esac
 case ",$STEPS," in *",issue31,"*)
     STEPS="$STEPS,nano,decode-8b,decode-8b-fp8,sharegpt,sharegpt-fp8,sharegpt-fp8-profile,sharegpt-profile" ;;
 esac
@@ -205,6 +225,13 @@ for w in $BENCHES; do
         "${peer[@]}" ${extra[@]+"${extra[@]}"}
     [ -f "$WORK/$w.json" ] && { echo "-- $w.json"; cat "$WORK/$w.json"; } >>"$LOGS/bench.log"
 done
+# Decode attention with the block ids a step ahead (decode-tune-prefetch): its launch for a
+# bf16 cache (GPU_CHECK_DPF_ENV) and an FP8 one (GPU_CHECK_DPF_FP8_ENV), space-separated.
+read -r -a DPF_ENV <<<"${GPU_CHECK_DPF_ENV:-PAGEDLLM_DECODE_PREFETCH=1 PAGEDLLM_DECODE_NUM_STAGES=3}"
+read -r -a DPF_FP8_ENV <<<"${GPU_CHECK_DPF_FP8_ENV:-PAGEDLLM_DECODE_PREFETCH=1}"
+run_step nano-dpf 480 "$LOGS/bench.log" env "${DPF_ENV[@]}" $PY "$WORK/bench.py" nano --no-peer \
+    --out "$WORK/nano-dpf.json"
+[ -f "$WORK/nano-dpf.json" ] && { echo "-- nano-dpf.json"; cat "$WORK/nano-dpf.json"; } >>"$LOGS/bench.log"
 run_step nano-profile 480 "$LOGS/bench.log" $PY "$WORK/bench.py" nano --profile --no-peer \
     --out "$WORK/nano-profile.json"
 # Structured output at nano's shape, batch 256: half of the requests constrained vs none.
@@ -227,7 +254,8 @@ for w in decode-8b throughput-8b; do
 done
 # Programmatic dependent launch off, the norms not folded (not in the default steps): the
 # A/Bs against the above. Each entry: step suffix, then the environment it sets (comma list).
-for ab in nopdl:PAGEDLLM_PDL=0 nofold:PAGEDLLM_FOLD_NORMS=0 norope:PAGEDLLM_FOLD_ROPE=0; do
+for ab in nopdl:PAGEDLLM_PDL=0 nofold:PAGEDLLM_FOLD_NORMS=0 norope:PAGEDLLM_FOLD_ROPE=0 \
+        pf:PAGEDLLM_GEMV_PREFETCH=1; do
     vars=${ab#*:}
     for w in decode-8b decode-8b-fp8; do
         extra=() name=$w-${ab%%:*}
@@ -243,6 +271,16 @@ run_step decode-tune 300 "$LOGS/bench.log" $PY -c \
     "from pagedllm.benchmarks.kernel_bench import tune_decode_mix; tune_decode_mix('cuda')"
 run_step decode-tune-fp8 300 "$LOGS/bench.log" $PY -c \
     "import torch; from pagedllm.benchmarks.kernel_bench import tune_decode_mix; tune_decode_mix('cuda', heads=(32,), stages_list=(2, 3, 4), kv_dtype=torch.float8_e4m3fn)"
+run_step decode-tune-prefetch 300 "$LOGS/bench.log" $PY -c "
+from pagedllm.benchmarks.kernel_bench import tune_decode_mix
+tune_decode_mix('cuda', block_ns=(128,), warps_list=(4,), stages_list=(2,))
+tune_decode_mix('cuda', block_ns=(64, 128), warps_list=(4, 8), stages_list=(3, 4), prefetch_list=(True,))"
+run_step decode-tune-prefetch-fp8 300 "$LOGS/bench.log" $PY -c "
+import torch
+from pagedllm.benchmarks.kernel_bench import tune_decode_mix
+fp8 = dict(heads=(32,), kv_dtype=torch.float8_e4m3fn)
+tune_decode_mix('cuda', block_ns=(128,), warps_list=(4,), stages_list=(3,), **fp8)
+tune_decode_mix('cuda', block_ns=(64, 128), warps_list=(4, 8), stages_list=(3, 4), prefetch_list=(True,), **fp8)"
 run_step top-p-bench 300 "$LOGS/bench.log" $PY -c \
     "from pagedllm.benchmarks.kernel_bench import time_top_p; time_top_p('cuda')"
 run_step fp8-kv-dots 300 "$LOGS/bench.log" $PY -c "
@@ -259,11 +297,14 @@ for heads in (32, 16):
 for w in sharegpt sharegpt-sort sharegpt-sortfree sharegpt-fp8 sharegpt-fp8-promoted sharegpt-profile \
         sharegpt-fp8-profile sharegpt-bn64 sharegpt-w8 sharegpt-bn64-w8 sharegpt-fp8-w8 \
         sharegpt-fp8-bf16dots sharegpt-fp8-nofuse sharegpt-fp8-twopass sharegpt-fp8-2stages \
-        sharegpt-graphs512 sharegpt-fp8-graphs512; do
+        sharegpt-graphs512 sharegpt-fp8-graphs512 sharegpt-dpf sharegpt-fp8-dpf; do
     sampler=rejection extra=() env_ab=()
     case $w in
     sharegpt-bn64) env_ab=(PAGEDLLM_DECODE_BLOCK_N=64) ;;
     sharegpt-graphs512) env_ab=(PAGEDLLM_MAX_GRAPH_BATCH=512) ;;
+    sharegpt-dpf) env_ab=("${DPF_ENV[@]}") ;;
+    sharegpt-fp8-dpf) env_ab=("${DPF_FP8_ENV[@]}")
+        extra=(--quantization fp8 --kv-cache-dtype fp8) ;;
     sharegpt-fp8-graphs512) env_ab=(PAGEDLLM_MAX_GRAPH_BATCH=512)
         extra=(--quantization fp8 --kv-cache-dtype fp8) ;;
     sharegpt-w8) env_ab=(PAGEDLLM_DECODE_NUM_WARPS=8) ;;

@@ -175,8 +175,10 @@ def test_decode(block_size, num_heads, num_kv_heads, monkeypatch):
 
 @pytest.mark.parametrize("num_splits", [1, 2, 8])  # 8 leaves some splits without keys
 @pytest.mark.parametrize("block_n", [16, 64])  # a key tile spans 1 or 4 cache blocks
-def test_decode_splits(num_splits, block_n, monkeypatch):
+@pytest.mark.parametrize("prefetch", [False, True])  # PAGEDLLM_DECODE_PREFETCH
+def test_decode_splits(num_splits, block_n, prefetch, monkeypatch):
     monkeypatch.setattr(triton_attention, "DECODE_BLOCK_N", block_n)
+    monkeypatch.setattr(triton_attention, "DECODE_PREFETCH", prefetch)
     batch = make_batch(DECODE_SEQ_LENS, [1] * len(DECODE_SEQ_LENS), num_heads=4, num_kv_heads=2)
     run_and_compare(batch, num_splits=num_splits)
 
@@ -185,6 +187,7 @@ def test_decode_splits(num_splits, block_n, monkeypatch):
 @pytest.mark.parametrize("variant", ["sliding_window", "alibi", "both"])
 def test_decode_sliding_window_and_alibi(num_splits, block_n, variant, monkeypatch):
     monkeypatch.setattr(triton_attention, "DECODE_BLOCK_N", block_n)
+    monkeypatch.setattr(triton_attention, "DECODE_PREFETCH", num_splits == 4)
     batch = make_batch(DECODE_SEQ_LENS, [1] * len(DECODE_SEQ_LENS), num_heads=4, num_kv_heads=2)
     kwargs = {}
     if variant in ("sliding_window", "both"):

@@ -35,7 +35,7 @@ def test_triton_kernels_compile_for_hopper():
     if run.returncode == 2:
         pytest.skip(run.stdout.strip())
     assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.count("ok ") == 72 + 17, run.stdout  # attention: 6 dtypes x 2 x 2 x 3
+    assert run.stdout.count("ok ") == 72 + 21, run.stdout  # attention: 6 dtypes x 2 x 2 x 3
     launched = {name for line in run.stdout.splitlines() for name in line.split(": ")[-1].split(", ")}
     assert launched == set(KERNELS), run.stdout
 
@@ -103,3 +103,28 @@ def test_decode_kernel_reads_an_fp8_caches_values_without_byte_loads():
         byte_loads, spills, transposing = counts[name]
         assert (byte_loads, spills) == (0, 0), (name, counts)
         assert transposing > 0, (name, counts)
+
+
+DECODE_BUFFERS_CHECK = """
+import re, torch
+from pagedllm.benchmarks.triton_launches import compile_decode_kernel
+for name, dtype in (("bf16", torch.bfloat16), ("fp8", torch.float8_e4m3fn)):
+    for prefetch in (False, True):
+        ttgir = compile_decode_kernel(dtype, num_stages=3, prefetch=prefetch)["ttgir"]
+        tiles = re.findall(r"local_alloc : \\(\\) -> !ttg.memdesc<(\\d+)x\\d+x128x", ttgir)
+        print(name, int(prefetch), *tiles)
+"""
+
+
+def test_decode_prefetch_keeps_key_tiles_in_flight():
+    """With the block table in the loop, the pipeliner gives the decode kernel's K and V
+    tiles one shared-memory buffer whatever the stages (the next tile's copy waits for the
+    current tile's dots); PAGEDLLM_DECODE_PREFETCH (the next tile's block ids a step ahead)
+    gives them stages - 1. Compiled for sm_90 at 3 stages: the buffers of K and V."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    run = subprocess.run([sys.executable, "-c", DECODE_BUFFERS_CHECK], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split("\n")[:4] == ["bf16 0 1 1", "bf16 1 2 2", "fp8 0 1 1", "fp8 1 2 2"], \
+        run.stdout

@@ -104,6 +104,14 @@ def scenarios() -> list[tuple[str, Callable[[], None]]]:
     for weight, cache in itertools.product(("bf16", "fp8"), ("bf16", "fp8")):
         out.append((f"one-row folds, {weight} weight, {cache} cache",
                     lambda w=weight, c=cache: folds(w, c)))
+    for weight in ("bf16", "fp8"):  # PAGEDLLM_GEMV_PREFETCH=1
+        out.append((f"one-row folds, {weight} weight, L2 prefetch",
+                    lambda w=weight: with_attr(triton_gemv, "PREFETCH", True, folds, w, "bf16")))
+    for cache in ("bf16", "fp8"):  # PAGEDLLM_DECODE_PREFETCH=1
+        out.append((f"attention decode splits 4, {cache} cache, block ids a step ahead",
+                    lambda c=cache: with_attr(triton_attention, "DECODE_PREFETCH", True,
+                                              launch_attention, torch.bfloat16, DTYPES[c],
+                                              num_splits=4)))
     def fp8_rows():
         x = torch.zeros(40, 4096, dtype=bf16)
         triton_fp8.quantize_rows(x)
@@ -123,6 +131,16 @@ def scenarios() -> list[tuple[str, Callable[[], None]]]:
     for rows in (1, 40):
         out.append((f"LoRA shrink and expand, {rows} rows", lambda t=rows: lora(t)))
     return out
+
+
+def with_attr(module, name: str, value, fn: Callable, *args, **kwargs) -> None:
+    """fn(*args, **kwargs) with module.name set to value (a launch choice read at launch)."""
+    saved = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        fn(*args, **kwargs)
+    finally:
+        setattr(module, name, saved)
 
 
 def lora(num_tokens: int) -> None:

@@ -433,13 +433,14 @@ def time_top_p(device: str, rows: int = 256, vocab: int = 128256) -> None:
 
 def tune_decode_mix(device: str, heads=(32, 16), batches=(64, 256, 1024),
                     block_ns=(64, 128), warps_list=(4, 8), stages_list=(1, 2, 3),
-                    kv_dtype: torch.dtype | None = None) -> None:
+                    kv_dtype: torch.dtype | None = None, prefetch_list=(False,)) -> None:
     """The decode kernel's launch constants over full batches of mixed contexts (the
     ShareGPT-like mix's decode steps): ms per call and the KV bytes' GB/s at each batch
     size, for each query head count over 8 KV heads (32: Llama-3-8B, 16: nano's Qwen3).
-    kv_dtype: the cache's (default the queries'; float8_e4m3fn: --kv-cache-dtype fp8)."""
+    kv_dtype: the cache's (default the queries'; float8_e4m3fn: --kv-cache-dtype fp8).
+    prefetch_list: PAGEDLLM_DECODE_PREFETCH's values to time (the next tile in registers)."""
     saved = (triton_attention.DECODE_BLOCK_N, triton_attention.DECODE_NUM_WARPS,
-             triton_attention.DECODE_NUM_STAGES)
+             triton_attention.DECODE_NUM_STAGES, triton_attention.DECODE_PREFETCH)
     try:
         for num_heads in heads:
             shape = Shape(num_heads=num_heads)
@@ -450,16 +451,17 @@ def tune_decode_mix(device: str, heads=(32, 16), batches=(64, 256, 1024),
             print(f"\ndecode launch constants over mixed contexts, {num_heads} / "
                   f"{shape.num_kv_heads} heads, {batches_[0].kv_cache.dtype} cache (ms and GB/s at "
                   + ", ".join(f"{b.meta.num_seqs} seqs" for b in batches_) + ")")
-            for config in itertools.product(block_ns, warps_list, stages_list):
+            for config in itertools.product(block_ns, warps_list, stages_list, prefetch_list):
                 (triton_attention.DECODE_BLOCK_N, triton_attention.DECODE_NUM_WARPS,
-                 triton_attention.DECODE_NUM_STAGES) = config
+                 triton_attention.DECODE_NUM_STAGES, triton_attention.DECODE_PREFETCH) = config
                 runs = triton_attention.decode_block_n(shape.head_dim,
                                                        batches_[0].kv_cache.element_size())
                 print(f"  BLOCK_N={config[0]:<4} (runs {runs:<3}) warps={config[1]} "
-                      f"stages={config[2]}: {_decode_times(batches_, shape)}")
+                      f"stages={config[2]}{' prefetch' if config[3] else ''}: "
+                      f"{_decode_times(batches_, shape)}")
     finally:
         (triton_attention.DECODE_BLOCK_N, triton_attention.DECODE_NUM_WARPS,
-         triton_attention.DECODE_NUM_STAGES) = saved
+         triton_attention.DECODE_NUM_STAGES, triton_attention.DECODE_PREFETCH) = saved
 
 
 def _decode_times(batches: list[Batch], shape: Shape) -> str:

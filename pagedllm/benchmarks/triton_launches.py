@@ -158,22 +158,27 @@ def launch_attention(query_dtype: torch.dtype, cache_dtype: torch.dtype, *, deco
 
 
 def compile_decode_kernel(cache_dtype: torch.dtype, block_n: int | None = None,
-                          num_warps: int | None = None) -> dict:
+                          num_warps: int | None = None, num_stages: int | None = None,
+                          prefetch: bool | None = None) -> dict:
     """The decode attention kernel compiled for sm_90 as launch_attention launches it (bf16
     queries, 4 splits) over a cache of `cache_dtype`: its `asm` (ttir ... ptx, cubin).
-    `block_n` / `num_warps`: launch choices other than the engine's."""
+    `block_n` / `num_warps` / `num_stages` / `prefetch`: launch choices other than the
+    engine's (PAGEDLLM_DECODE_BLOCK_N, _NUM_WARPS, _NUM_STAGES, _PREFETCH)."""
     compiled = []
 
     def compile(fn: JITFunction, source: ASTSource, options: dict) -> None:
         if fn.fn.__name__ == "_paged_decode_kernel":
             compiled.append(triton.compile(source, target=TARGET, options=options).asm)
 
-    saved = triton_attention.DECODE_BLOCK_N, triton_attention.DECODE_NUM_WARPS
-    triton_attention.DECODE_BLOCK_N = block_n or saved[0]
-    triton_attention.DECODE_NUM_WARPS = num_warps or saved[1]
+    names = ("DECODE_BLOCK_N", "DECODE_NUM_WARPS", "DECODE_NUM_STAGES", "DECODE_PREFETCH")
+    saved = {name: getattr(triton_attention, name) for name in names}
+    for name, value in zip(names, (block_n, num_warps, num_stages, prefetch)):
+        if value is not None:
+            setattr(triton_attention, name, value)
     try:
         with compiling_launches(compile):
             launch_attention(torch.bfloat16, cache_dtype, num_splits=4)
     finally:
-        triton_attention.DECODE_BLOCK_N, triton_attention.DECODE_NUM_WARPS = saved
+        for name, value in saved.items():
+            setattr(triton_attention, name, value)
     return compiled[0]

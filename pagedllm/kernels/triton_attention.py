@@ -60,6 +60,9 @@ DECODE_NUM_STAGES: int | None = int(os.environ["PAGEDLLM_DECODE_NUM_STAGES"]) \
     if os.environ.get("PAGEDLLM_DECODE_NUM_STAGES") else None  # None: by the cache (above)
 if DECODE_NUM_STAGES not in (None, 1, 2, 3, 4):
     raise ValueError(f"PAGEDLLM_DECODE_NUM_STAGES must be 1, 2, 3 or 4, got {DECODE_NUM_STAGES}")
+# PAGEDLLM_DECODE_PREFETCH=1: each program loads the next key tile's block ids a step ahead,
+# so the pipeliner can keep num_stages - 1 key tiles in flight (an A/B; _paged_decode_kernel).
+DECODE_PREFETCH = os.environ.get("PAGEDLLM_DECODE_PREFETCH", "0") == "1"
 DECODE_TILE_BYTES = 128 << 10  # of the 228 KiB an SM of an H100 / H200 has
 PREFILL_BLOCK_M = 64
 PREFILL_BLOCK_N = 64
@@ -207,6 +210,22 @@ def _merge_partials(out_rows, part_m_ptr, part_l_ptr, part_acc_ptr, part, num_ac
     tl.store(out_rows, out.to(out_rows.dtype.element_ty), mask=row_valid[:, None])
 
 
+@triton.jit
+def _tile_blocks(table_row, k_pos, kv_lo, seq_len, BLOCK_SIZE: tl.constexpr):
+    """The cache block of each key position (0 where the position holds no key)."""
+    valid = (k_pos >= kv_lo) & (k_pos < seq_len)
+    return tl.load(table_row + k_pos // BLOCK_SIZE, mask=valid, other=0)
+
+
+@triton.jit
+def _block_offsets(blocks, k_pos, kv_head, stride_c_block, stride_c_offset, stride_c_head,
+                   BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Element offsets [BLOCK_N, HEAD_DIM] of the keys at positions k_pos in `blocks`."""
+    rows = (blocks.to(tl.int64) * stride_c_block + (k_pos % BLOCK_SIZE) * stride_c_offset
+            + kv_head * stride_c_head)
+    return rows[:, None] + tl.arange(0, HEAD_DIM)[None, :]
+
+
 # The arguments that change from step to step (the batch's block-table width, the tiles a
 # split takes) are not specialized: the JIT would otherwise compile a kernel per class of
 # their values (1, a multiple of 16, other), each first met mid-run, where its compile (or
@@ -232,6 +251,7 @@ def _paged_decode_kernel(
     DOT_PRECISION: tl.constexpr,
     FP16_DOTS: tl.constexpr,
     PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     if PDL:  # before any read of an earlier kernel's output, any write (kernels/triton_pdl.py)
         gdc_wait()
@@ -268,20 +288,44 @@ def _paged_decode_kernel(
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     table_row = block_tables_ptr + seq * stride_bt
-    for tile in range(tile_lo, tile_hi):
-        k_pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        kv_mask = (k_pos >= kv_lo) & (k_pos < seq_len)
-        offs = _kv_tile_offsets(
-            table_row, k_pos, kv_mask, kv_head,
-            stride_c_block, stride_c_offset, stride_c_head, BLOCK_SIZE, HEAD_DIM,
-        )
-        k = tl.load(cache_ptr + offs, mask=kv_mask[:, None], other=0.0)
-        v = _values_operand(tl.load(cache_ptr + stride_c_kv + offs, mask=kv_mask[:, None],
-                                    other=0.0), kv_mask, q.dtype)
-        bias = slopes[:, None] * (k_pos - q_pos).to(tl.float32)[None, :]
-        m_i, l_i, acc = _online_softmax_step(
-            q, k, v, kv_mask[None, :], bias, m_i, l_i, acc, qk_scale, USE_ALIBI, DOT_PRECISION,
-        )
+    if PREFETCH:
+        # The block ids of tile i + 1 are loaded while tile i is: a key tile's address then
+        # comes from the loop's carried values, not from a load of the same iteration, and
+        # the JIT's pipeliner keeps num_stages - 1 tiles in flight in shared memory (with the
+        # block-table load in the iteration it keeps one, and issues the next tile's copy
+        # only after the current one's dots).
+        k_pos = tile_lo * BLOCK_N + tl.arange(0, BLOCK_N)
+        blocks = _tile_blocks(table_row, k_pos, kv_lo, seq_len, BLOCK_SIZE)
+        for tile in range(tile_lo, tile_hi):
+            k_pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            kv_mask = (k_pos >= kv_lo) & (k_pos < seq_len)
+            offs = _block_offsets(blocks, k_pos, kv_head, stride_c_block, stride_c_offset,
+                                  stride_c_head, BLOCK_SIZE, HEAD_DIM)
+            blocks = _tile_blocks(table_row, k_pos + BLOCK_N, kv_lo, seq_len, BLOCK_SIZE)
+            k = tl.load(cache_ptr + offs, mask=kv_mask[:, None], other=0.0)
+            v = _values_operand(tl.load(cache_ptr + stride_c_kv + offs, mask=kv_mask[:, None],
+                                        other=0.0), kv_mask, q.dtype)
+            bias = slopes[:, None] * (k_pos - q_pos).to(tl.float32)[None, :]
+            m_i, l_i, acc = _online_softmax_step(
+                q, k, v, kv_mask[None, :], bias, m_i, l_i, acc, qk_scale, USE_ALIBI,
+                DOT_PRECISION,
+            )
+    else:
+        for tile in range(tile_lo, tile_hi):
+            k_pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            kv_mask = (k_pos >= kv_lo) & (k_pos < seq_len)
+            offs = _kv_tile_offsets(
+                table_row, k_pos, kv_mask, kv_head,
+                stride_c_block, stride_c_offset, stride_c_head, BLOCK_SIZE, HEAD_DIM,
+            )
+            k = tl.load(cache_ptr + offs, mask=kv_mask[:, None], other=0.0)
+            v = _values_operand(tl.load(cache_ptr + stride_c_kv + offs, mask=kv_mask[:, None],
+                                        other=0.0), kv_mask, q.dtype)
+            bias = slopes[:, None] * (k_pos - q_pos).to(tl.float32)[None, :]
+            m_i, l_i, acc = _online_softmax_step(
+                q, k, v, kv_mask[None, :], bias, m_i, l_i, acc, qk_scale, USE_ALIBI,
+                DOT_PRECISION,
+            )
 
     out_rows = out_ptr + seq * stride_ot + heads[:, None] * stride_oh + dims[None, :]
     if num_active == 1:  # the whole context in this program: no partials, no count
@@ -430,6 +474,8 @@ def decode_block_n(head_dim: int, element_size: int) -> int:
     fp32 at 128 or bf16 at 256: 64)."""
     block_n = DECODE_BLOCK_N
     stages = decode_num_stages(element_size)
+    if DECODE_PREFETCH:  # the pipeliner's buffers: one per stage ahead
+        stages = max(1, stages - 1)
     while block_n > 16 and 2 * stages * block_n * head_dim * element_size > DECODE_TILE_BYTES:
         block_n //= 2
     return block_n
@@ -592,7 +638,7 @@ def _decode(out, query, kv_cache, meta, alibi_arg, num_splits, common) -> None:
         out, part_m, part_l, part_acc, count,
         query, kv_cache, meta.block_tables, meta.seq_lens, alibi_arg,
         num_heads=num_heads, min_tiles=min_tiles, GROUP_PAD=group_pad, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, num_warps=DECODE_NUM_WARPS,
+        NUM_SPLITS=num_splits, num_warps=DECODE_NUM_WARPS, PREFETCH=DECODE_PREFETCH,
         num_stages=decode_num_stages(kv_cache.element_size()), **common,
         **triton_pdl.launch_kwargs(query.device),
     )

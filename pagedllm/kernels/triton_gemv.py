@@ -10,8 +10,13 @@ cost ~4 us each, ~0.5 ms of a Llama-3-8B decode step's 4 ms.
 
 One row takes the CUDA cores (products summed along K, no padding to a tensor-core tile);
 2-16 rows take tl.dot. Under programmatic dependent launch (kernels/triton_pdl.py) a one-row
-program loads its first weight tile before it waits for the kernel that wrote x. The kernel
-runs under TRITON_INTERPRET=1 on the CPU for the tests (its tl.dot takes fp16, not bf16).
+program loads its first weight tile before it waits for the kernel that wrote x. With
+PAGEDLLM_GEMV_PREFETCH=1 (an A/B, off by default until measured) it also asks L2 for the
+rest of its weight slice there (bulk prefetches, a few per row): a program made resident
+during the kernel before would stream its weights while that kernel's tail runs, so HBM
+need not idle between the short kernels of a decode step. The kernel runs under
+TRITON_INTERPRET=1 on the CPU for the tests (its tl.dot takes fp16, not bf16; no PDL, no
+prefetch).
 
 At one row, `folded_matmul` also folds what a decoder layer does around its projections
 into the store of each finished block (layers/norm_fold.py): the input RMSNorm's 1/rms, the
@@ -21,6 +26,7 @@ with the KV cache write.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +44,19 @@ def _load_weights(w_rows, ks, rn, N, k_end, EVEN: tl.constexpr):
     if EVEN:
         return tl.load(w_rows + ks[None, :])
     return tl.load(w_rows + ks[None, :], mask=(rn[:, None] < N) & (ks[None, :] < k_end), other=0)
+
+
+@triton.jit
+def _prefetch_l2(w_rows, k_start, slice_bytes, PARTS: tl.constexpr):
+    """Ask L2 for this program's weight slice: rows w_rows, slice_bytes from column k_start,
+    in PARTS bulk prefetches per row (each part a multiple of 16 bytes, 16-byte aligned)."""
+    part = slice_bytes // PARTS
+    rows = (w_rows + k_start).to(tl.pointer_type(tl.uint8), bitcast=True)
+    ptrs = rows + (tl.arange(0, PARTS) * part)[None, :]
+    tl.inline_asm_elementwise(
+        "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
+        [ptrs, tl.full(ptrs.shape, 0, tl.int32) + part], dtype=tl.int32, is_pure=False,
+        pack=1)
 
 
 @triton.jit
@@ -181,8 +200,8 @@ def _skinny_kernel(out_ptr, part_ptr, count_ptr, x_ptr, w_ptr, scale_ptr, M, N, 
                    stride_c_kv, stride_c_block, stride_c_offset, stride_c_head, block_size,
                    W_FP8: tl.constexpr, HAS_SCALE: tl.constexpr,
                    EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                   RMS_IN: tl.constexpr, SS_PAD: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   BLOCK_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+                   W_BYTES: tl.constexpr, PREFETCH_PARTS: tl.constexpr, RMS_IN: tl.constexpr, SS_PAD: tl.constexpr, HAS_BIAS: tl.constexpr,
                    RESIDUAL: tl.constexpr, RMS_OUT: tl.constexpr, GATED: tl.constexpr,
                    ROPE: tl.constexpr, HEAD_DIM: tl.constexpr, FP8_MAX: tl.constexpr):
     """Program (n, s): output features [n * BLOCK_N, +BLOCK_N) over the K slice
@@ -202,6 +221,8 @@ def _skinny_kernel(out_ptr, part_ptr, count_ptr, x_ptr, w_ptr, scale_ptr, M, N, 
         # The weights do not depend on the kernel before this one: under PDL the first
         # tile is on its way before the wait for that kernel's x.
         w = _load_weights(w_rows, k_start + rk, rn, N, k_end, EVEN)
+        if PREFETCH:  # the rest of the slice into L2 (EVEN: every row and byte in bounds)
+            _prefetch_l2(w_rows, k_start, k_per_split * W_BYTES, PREFETCH_PARTS)
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
@@ -266,6 +287,7 @@ def _skinny_kernel(out_ptr, part_ptr, count_ptr, x_ptr, w_ptr, scale_ptr, M, N, 
 
 
 MAX_ROWS = 16
+PREFETCH = os.environ.get("PAGEDLLM_GEMV_PREFETCH", "0") == "1"
 
 
 @dataclass(frozen=True)
@@ -409,6 +431,12 @@ def folded_matmul(x: torch.Tensor | RmsInput, weight: torch.Tensor,
         rms_out = RmsInput(torch.empty_like(out), torch.empty(blocks_n, dtype=torch.float32,
                                                               device=x.device), next_norm[1])
     even = N % config.block_n == 0 and K % k_per_split == 0
+    pdl = triton_pdl.launch_kwargs(x.device)
+    # Bulk prefetches take 16-byte aligned parts of whole 16-byte multiples; only before
+    # the PDL wait is there a kernel to overlap with.
+    parts = max(1, config.num_warps * 32 // config.block_n)
+    prefetch = (PREFETCH and pdl["PDL"] and M == 1 and even and weight.data_ptr() % 16 == 0
+                and (k_per_split * weight.element_size()) % (16 * parts) == 0)
     unused = out  # pointer arguments of folds that are off: never read or written
     _skinny_kernel[(blocks_n, split)](
         out, part, counters("skinny_matmul", x.device, blocks_n), x,
@@ -431,8 +459,8 @@ def folded_matmul(x: torch.Tensor | RmsInput, weight: torch.Tensor,
         RMS_OUT=rms_out is not None, GATED=gated, ROPE=rope is not None,
         HEAD_DIM=rope.head_dim if rope else config.block_n,
         FP8_MAX=triton_cache.fp8_max(rope.kv_cache) if rope else 0.0,
-        num_warps=config.num_warps, num_stages=3,
-        **triton_pdl.launch_kwargs(x.device),
+        PREFETCH=prefetch, W_BYTES=weight.element_size(), PREFETCH_PARTS=parts,
+        num_warps=config.num_warps, num_stages=3, **pdl,
     )
     return out, rms_out
 
