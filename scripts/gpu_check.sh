@@ -65,14 +65,17 @@
 #                  decode-8b, decode-8b-fp8, sharegpt, sharegpt-fp8, sharegpt-fp8-profile,
 #                  sharegpt-profile; with GPU_CHECK_PEERS=0 the figures of
 #                  docs/benchmarks.md's "At a glance" table in one run
+#   prefill-prefetch  the prefill kernel's timings (time_prefill) without and with
+#                  PAGEDLLM_PREFILL_PREFETCH=1 (block ids a step ahead, one stage more), twice
 #   nano-dpf sharegpt-dpf sharegpt-fp8-dpf
-#                  nano, sharegpt and sharegpt-fp8 with decode attention's block ids a step
-#                  ahead (PAGEDLLM_DECODE_PREFETCH=1; bf16 at 3 stages): the launch set by
-#                  GPU_CHECK_DPF_ENV / GPU_CHECK_DPF_FP8_ENV, after decode-tune-prefetch (not
-#                  in the default list: compare with nano / sharegpt / sharegpt-fp8)
+#                  nano, sharegpt and sharegpt-fp8 with attention's block ids a step ahead
+#                  (PAGEDLLM_DECODE_PREFETCH=1, bf16 decode at 3 stages, and
+#                  PAGEDLLM_PREFILL_PREFETCH=1): the launch set by GPU_CHECK_DPF_ENV /
+#                  GPU_CHECK_DPF_FP8_ENV, after decode-tune-prefetch (not in the default
+#                  list: compare with nano / sharegpt / sharegpt-fp8)
 #   prefetch-ab    test-parity, then both prefetch A/Bs' micro steps (not in the default
-#                  list): decode-8b and decode-8b-fp8 with and without -pf, and
-#                  decode-tune-prefetch(-fp8)
+#                  list): decode-8b and decode-8b-fp8 with and without -pf,
+#                  decode-tune-prefetch(-fp8) and prefill-prefetch
 #   nano-profile   `pagedllm bench nano --profile --no-peer`: nano's kernels by kind and the
 #                  host gaps (not in the default list)
 #   nano-sync decode-8b-sync throughput-8b-sync
@@ -142,7 +145,7 @@ PY=${PYTHON:-python3}
 STEPS=${GPU_CHECK_STEPS:-kernels,gpu-tests,kernel-bench,nano,decode-8b,throughput-8b,prefix-8b,fp8}
 case ",$STEPS," in *",fp8,"*) STEPS="$STEPS,decode-8b-fp8,throughput-8b-fp8" ;; esac
 case ",$STEPS," in *",prefetch-ab,"*)
-    STEPS="$STEPS,test-parity,decode-8b,decode-8b-pf,decode-8b-fp8,decode-8b-fp8-pf,decode-tune-prefetch,decode-tune-prefetch-fp8" ;;
+    STEPS="$STEPS,test-parity,decode-8b,decode-8b-pf,decode-8b-fp8,decode-8b-fp8-pf,decode-tune-prefetch,decode-tune-prefetch-fp8,prefill-prefetch" ;;
 esac
 case ",$STEPS," in *",issue31,"*)
     STEPS="$STEPS,nano,decode-8b,decode-8b-fp8,sharegpt,sharegpt-fp8,sharegpt-fp8-profile,sharegpt-profile" ;;
@@ -225,10 +228,10 @@ for w in $BENCHES; do
         "${peer[@]}" ${extra[@]+"${extra[@]}"}
     [ -f "$WORK/$w.json" ] && { echo "-- $w.json"; cat "$WORK/$w.json"; } >>"$LOGS/bench.log"
 done
-# Decode attention with the block ids a step ahead (decode-tune-prefetch): its launch for a
+# Attention with the block ids a step ahead (decode-tune-prefetch): the launch for a
 # bf16 cache (GPU_CHECK_DPF_ENV) and an FP8 one (GPU_CHECK_DPF_FP8_ENV), space-separated.
-read -r -a DPF_ENV <<<"${GPU_CHECK_DPF_ENV:-PAGEDLLM_DECODE_PREFETCH=1 PAGEDLLM_DECODE_NUM_STAGES=3}"
-read -r -a DPF_FP8_ENV <<<"${GPU_CHECK_DPF_FP8_ENV:-PAGEDLLM_DECODE_PREFETCH=1}"
+read -r -a DPF_ENV <<<"${GPU_CHECK_DPF_ENV:-PAGEDLLM_DECODE_PREFETCH=1 PAGEDLLM_DECODE_NUM_STAGES=3 PAGEDLLM_PREFILL_PREFETCH=1}"
+read -r -a DPF_FP8_ENV <<<"${GPU_CHECK_DPF_FP8_ENV:-PAGEDLLM_DECODE_PREFETCH=1 PAGEDLLM_PREFILL_PREFETCH=1}"
 run_step nano-dpf 480 "$LOGS/bench.log" env "${DPF_ENV[@]}" $PY "$WORK/bench.py" nano --no-peer \
     --out "$WORK/nano-dpf.json"
 [ -f "$WORK/nano-dpf.json" ] && { echo "-- nano-dpf.json"; cat "$WORK/nano-dpf.json"; } >>"$LOGS/bench.log"
@@ -281,6 +284,13 @@ from pagedllm.benchmarks.kernel_bench import tune_decode_mix
 fp8 = dict(heads=(32,), kv_dtype=torch.float8_e4m3fn)
 tune_decode_mix('cuda', block_ns=(128,), warps_list=(4,), stages_list=(3,), **fp8)
 tune_decode_mix('cuda', block_ns=(64, 128), warps_list=(4, 8), stages_list=(3, 4), prefetch_list=(True,), **fp8)"
+run_step prefill-prefetch 300 "$LOGS/bench.log" $PY -c "
+from pagedllm.benchmarks.kernel_bench import time_prefill
+from pagedllm.kernels import triton_attention
+for prefetch in (False, True, False, True):
+    triton_attention.PREFILL_PREFETCH = prefetch
+    print('PAGEDLLM_PREFILL_PREFETCH', int(prefetch))
+    time_prefill('cuda')"
 run_step top-p-bench 300 "$LOGS/bench.log" $PY -c \
     "from pagedllm.benchmarks.kernel_bench import time_top_p; time_top_p('cuda')"
 run_step fp8-kv-dots 300 "$LOGS/bench.log" $PY -c "

@@ -310,9 +310,11 @@ def test_prefill_default_tiles():
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_chunked_prefill_with_cached_context(block_size, monkeypatch):
+@pytest.mark.parametrize("prefetch", [False, True])  # PAGEDLLM_PREFILL_PREFETCH
+def test_chunked_prefill_with_cached_context(block_size, prefetch, monkeypatch):
     monkeypatch.setattr(triton_attention, "PREFILL_BLOCK_M", 16)
     monkeypatch.setattr(triton_attention, "PREFILL_BLOCK_N", 16)
+    monkeypatch.setattr(triton_attention, "PREFILL_PREFETCH", prefetch)
     # Cached context of 60, 43 and 16 tokens (an earlier chunk or a prefix-cache hit).
     batch = make_batch([80, 50, 33], [20, 7, 17], block_size=block_size)
     run_and_compare(batch)
@@ -323,6 +325,7 @@ def test_chunked_prefill_with_cached_context(block_size, monkeypatch):
 def test_mixed_decode_and_prefill_batch(variant, tiles, monkeypatch):
     monkeypatch.setattr(triton_attention, "PREFILL_BLOCK_M", tiles[0])
     monkeypatch.setattr(triton_attention, "PREFILL_BLOCK_N", tiles[1])
+    monkeypatch.setattr(triton_attention, "PREFILL_PREFETCH", tiles == (16, 16))
     # Decoding, a fresh prompt, a decode at the first block, a chunk after cached context.
     batch = make_batch([70, 30, 9, 75], [1, 30, 1, 12], num_heads=8, num_kv_heads=2)
     kwargs = {}

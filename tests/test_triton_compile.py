@@ -35,7 +35,7 @@ def test_triton_kernels_compile_for_hopper():
     if run.returncode == 2:
         pytest.skip(run.stdout.strip())
     assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.count("ok ") == 72 + 21, run.stdout  # attention: 6 dtypes x 2 x 2 x 3
+    assert run.stdout.count("ok ") == 72 + 23, run.stdout  # attention: 6 dtypes x 2 x 2 x 3
     launched = {name for line in run.stdout.splitlines() for name in line.split(": ")[-1].split(", ")}
     assert launched == set(KERNELS), run.stdout
 
@@ -105,26 +105,39 @@ def test_decode_kernel_reads_an_fp8_caches_values_without_byte_loads():
         assert transposing > 0, (name, counts)
 
 
-DECODE_BUFFERS_CHECK = """
-import re, torch
-from pagedllm.benchmarks.triton_launches import compile_decode_kernel
+BUFFERS_CHECK = """
+import re, torch, triton
+from pagedllm.benchmarks import triton_launches as tl_
+from pagedllm.kernels import triton_attention
+def buffers(ttgir):
+    return re.findall(r"local_alloc : \\(\\) -> !ttg.memdesc<(\\d+)x\\d+x128x", ttgir)
 for name, dtype in (("bf16", torch.bfloat16), ("fp8", torch.float8_e4m3fn)):
     for prefetch in (False, True):
-        ttgir = compile_decode_kernel(dtype, num_stages=3, prefetch=prefetch)["ttgir"]
-        tiles = re.findall(r"local_alloc : \\(\\) -> !ttg.memdesc<(\\d+)x\\d+x128x", ttgir)
-        print(name, int(prefetch), *tiles)
+        ttgir = tl_.compile_decode_kernel(dtype, num_stages=3, prefetch=prefetch)["ttgir"]
+        print("decode", name, int(prefetch), *buffers(ttgir))
+for prefetch in (False, True):
+    triton_attention.PREFILL_PREFETCH = prefetch
+    got = []
+    def compile(fn, source, options):
+        if fn.fn.__name__ == "_paged_prefill_kernel":
+            got.append(triton.compile(source, target=tl_.TARGET, options=options).asm["ttgir"])
+    with tl_.compiling_launches(compile):
+        tl_.launch_attention(torch.bfloat16, torch.float8_e4m3fn, decode=False)
+    print("prefill fp8", int(prefetch), *buffers(got[0]))
 """
 
 
-def test_decode_prefetch_keeps_key_tiles_in_flight():
-    """With the block table in the loop, the pipeliner gives the decode kernel's K and V
+def test_attention_prefetch_keeps_key_tiles_in_flight():
+    """With the block table read in the loop, the pipeliner gives the decode kernel's K and V
     tiles one shared-memory buffer whatever the stages (the next tile's copy waits for the
     current tile's dots); PAGEDLLM_DECODE_PREFETCH (the next tile's block ids a step ahead)
-    gives them stages - 1. Compiled for sm_90 at 3 stages: the buffers of K and V."""
+    gives them stages - 1. Compiled for sm_90: the buffers of K and V, decode at 3 stages,
+    and prefill over an FP8 cache (PAGEDLLM_PREFILL_PREFETCH adds a stage)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    run = subprocess.run([sys.executable, "-c", DECODE_BUFFERS_CHECK], cwd=ROOT, env=env,
+    run = subprocess.run([sys.executable, "-c", BUFFERS_CHECK], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.split("\n")[:4] == ["bf16 0 1 1", "bf16 1 2 2", "fp8 0 1 1", "fp8 1 2 2"], \
-        run.stdout
+    assert run.stdout.splitlines() == [
+        "decode bf16 0 1 1", "decode bf16 1 2 2", "decode fp8 0 1 1", "decode fp8 1 2 2",
+        "prefill fp8 0 1 1", "prefill fp8 1 2 2"], run.stdout

@@ -107,11 +107,15 @@ def scenarios() -> list[tuple[str, Callable[[], None]]]:
     for weight in ("bf16", "fp8"):  # PAGEDLLM_GEMV_PREFETCH=1
         out.append((f"one-row folds, {weight} weight, L2 prefetch",
                     lambda w=weight: with_attr(triton_gemv, "PREFETCH", True, folds, w, "bf16")))
-    for cache in ("bf16", "fp8"):  # PAGEDLLM_DECODE_PREFETCH=1
+    for cache in ("bf16", "fp8"):  # PAGEDLLM_DECODE_PREFETCH=1, PAGEDLLM_PREFILL_PREFETCH=1
         out.append((f"attention decode splits 4, {cache} cache, block ids a step ahead",
                     lambda c=cache: with_attr(triton_attention, "DECODE_PREFETCH", True,
                                               launch_attention, torch.bfloat16, DTYPES[c],
                                               num_splits=4)))
+        out.append((f"attention prefill, {cache} cache, block ids a step ahead",
+                    lambda c=cache: with_attr(triton_attention, "PREFILL_PREFETCH", True,
+                                              launch_attention, torch.bfloat16, DTYPES[c],
+                                              decode=False)))
     def fp8_rows():
         x = torch.zeros(40, 4096, dtype=bf16)
         triton_fp8.quantize_rows(x)

@@ -68,6 +68,9 @@ PREFILL_BLOCK_M = 64
 PREFILL_BLOCK_N = 64
 PREFILL_NUM_WARPS = 4
 PREFILL_NUM_STAGES = 2
+# PAGEDLLM_PREFILL_PREFETCH=1: the prefill kernel loads the next key tile's block ids a step
+# ahead and runs one stage more, so two key tiles are in flight (an A/B, as decode's).
+PREFILL_PREFETCH = os.environ.get("PAGEDLLM_PREFILL_PREFETCH", "0") == "1"
 MAX_SPLITS = 16
 MIN_SPLIT_TOKENS = 256  # a split reduces at least this many keys
 # How decode cuts contexts into splits (PAGEDLLM_DECODE_SPLIT, read once at import):
@@ -91,6 +94,22 @@ FP8_KV_FP16_DOTS = os.environ.get("PAGEDLLM_FP8_KV_FP16_DOTS", "1") != "0"
 
 
 @triton.jit
+def _tile_blocks(table_row, k_pos, kv_lo, seq_len, BLOCK_SIZE: tl.constexpr):
+    """The cache block of each key position (0 where the position holds no key)."""
+    valid = (k_pos >= kv_lo) & (k_pos < seq_len)
+    return tl.load(table_row + k_pos // BLOCK_SIZE, mask=valid, other=0)
+
+
+@triton.jit
+def _block_offsets(blocks, k_pos, kv_head, stride_c_block, stride_c_offset, stride_c_head,
+                   BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Element offsets [BLOCK_N, HEAD_DIM] of the keys at positions k_pos in `blocks`."""
+    rows = (blocks.to(tl.int64) * stride_c_block + (k_pos % BLOCK_SIZE) * stride_c_offset
+            + kv_head * stride_c_head)
+    return rows[:, None] + tl.arange(0, HEAD_DIM)[None, :]
+
+
+@triton.jit
 def _kv_tile_offsets(
     block_table_row_ptr, k_pos, kv_mask, kv_head,
     stride_c_block, stride_c_offset, stride_c_head, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -99,9 +118,9 @@ def _kv_tile_offsets(
 
     A tile of keys may span several cache blocks; each key finds its own block.
     """
-    block = tl.load(block_table_row_ptr + k_pos // BLOCK_SIZE, mask=kv_mask, other=0).to(tl.int64)
-    rows = block * stride_c_block + (k_pos % BLOCK_SIZE) * stride_c_offset + kv_head * stride_c_head
-    return rows[:, None] + tl.arange(0, HEAD_DIM)[None, :]
+    blocks = tl.load(block_table_row_ptr + k_pos // BLOCK_SIZE, mask=kv_mask, other=0)
+    return _block_offsets(blocks, k_pos, kv_head, stride_c_block, stride_c_offset,
+                          stride_c_head, BLOCK_SIZE, HEAD_DIM)
 
 
 @triton.jit
@@ -208,22 +227,6 @@ def _merge_partials(out_rows, part_m_ptr, part_l_ptr, part_acc_ptr, part, num_ac
         den += l * weight
     out = num / tl.where(row_valid, den, 1.0)[:, None]
     tl.store(out_rows, out.to(out_rows.dtype.element_ty), mask=row_valid[:, None])
-
-
-@triton.jit
-def _tile_blocks(table_row, k_pos, kv_lo, seq_len, BLOCK_SIZE: tl.constexpr):
-    """The cache block of each key position (0 where the position holds no key)."""
-    valid = (k_pos >= kv_lo) & (k_pos < seq_len)
-    return tl.load(table_row + k_pos // BLOCK_SIZE, mask=valid, other=0)
-
-
-@triton.jit
-def _block_offsets(blocks, k_pos, kv_head, stride_c_block, stride_c_offset, stride_c_head,
-                   BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Element offsets [BLOCK_N, HEAD_DIM] of the keys at positions k_pos in `blocks`."""
-    rows = (blocks.to(tl.int64) * stride_c_block + (k_pos % BLOCK_SIZE) * stride_c_offset
-            + kv_head * stride_c_head)
-    return rows[:, None] + tl.arange(0, HEAD_DIM)[None, :]
 
 
 # The arguments that change from step to step (the batch's block-table width, the tiles a
@@ -370,6 +373,7 @@ def _paged_prefill_kernel(
     USE_ALIBI: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FP16_DOTS: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     seq = tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -408,13 +412,21 @@ def _paged_prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     table_row = block_tables_ptr + seq * stride_bt
-    for start in range(kv_lo // BLOCK_N * BLOCK_N, kv_hi, BLOCK_N):
+    first = kv_lo // BLOCK_N * BLOCK_N
+    if PREFETCH:
+        blocks = _tile_blocks(table_row, first + tl.arange(0, BLOCK_N), 0, kv_hi, BLOCK_SIZE)
+    for start in range(first, kv_hi, BLOCK_N):
         k_pos = start + tl.arange(0, BLOCK_N)
         kv_mask = k_pos < kv_hi
-        offs = _kv_tile_offsets(
-            table_row, k_pos, kv_mask, kv_head,
-            stride_c_block, stride_c_offset, stride_c_head, BLOCK_SIZE, HEAD_DIM,
-        )
+        if PREFETCH:  # the next tile's block ids a step ahead, as decode does
+            offs = _block_offsets(blocks, k_pos, kv_head, stride_c_block, stride_c_offset,
+                                  stride_c_head, BLOCK_SIZE, HEAD_DIM)
+            blocks = _tile_blocks(table_row, k_pos + BLOCK_N, 0, kv_hi, BLOCK_SIZE)
+        else:
+            offs = _kv_tile_offsets(
+                table_row, k_pos, kv_mask, kv_head,
+                stride_c_block, stride_c_offset, stride_c_head, BLOCK_SIZE, HEAD_DIM,
+            )
         k = tl.load(cache_ptr + offs, mask=kv_mask[:, None], other=0.0)
         v = tl.load(cache_ptr + stride_c_kv + offs, mask=kv_mask[:, None], other=0.0)
         rel = k_pos[None, :] - q_pos[:, None]
@@ -599,7 +611,8 @@ def _prefill(out, query, kv_cache, meta, alibi_arg, common) -> None:
     _paged_prefill_kernel[grid](
         out, query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, alibi_arg,
         GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=PREFILL_BLOCK_N,
-        num_warps=PREFILL_NUM_WARPS, num_stages=PREFILL_NUM_STAGES, **common,
+        PREFETCH=PREFILL_PREFETCH, num_warps=PREFILL_NUM_WARPS,
+        num_stages=PREFILL_NUM_STAGES + PREFILL_PREFETCH, **common,
     )
 
 
