@@ -69,12 +69,12 @@
 #                  PAGEDLLM_PREFILL_PREFETCH=1 (block ids a step ahead, one stage more), twice
 #   nano-dpf sharegpt-dpf sharegpt-fp8-dpf
 #                  nano, sharegpt and sharegpt-fp8 with attention's block ids a step ahead
-#                  (PAGEDLLM_DECODE_PREFETCH=1, bf16 decode at 3 stages, and
+#                  (PAGEDLLM_DECODE_PREFETCH=1, bf16 decode at 4 stages of 64 keys, and
 #                  PAGEDLLM_PREFILL_PREFETCH=1): the launch set by GPU_CHECK_DPF_ENV /
 #                  GPU_CHECK_DPF_FP8_ENV, after decode-tune-prefetch (not in the default
 #                  list: compare with nano / sharegpt / sharegpt-fp8)
-#   prefetch-ab    test-parity, then both prefetch A/Bs' micro steps (not in the default
-#                  list): decode-8b and decode-8b-fp8 with and without -pf,
+#   prefetch-ab    the prefetch A/Bs' micro steps in one list (not in the default list):
+#                  decode-8b and decode-8b-fp8 with and without -pf,
 #                  decode-tune-prefetch(-fp8) and prefill-prefetch
 #   nano-profile   `pagedllm bench nano --profile --no-peer`: nano's kernels by kind and the
 #                  host gaps (not in the default list)
@@ -145,7 +145,7 @@ PY=${PYTHON:-python3}
 STEPS=${GPU_CHECK_STEPS:-kernels,gpu-tests,kernel-bench,nano,decode-8b,throughput-8b,prefix-8b,fp8}
 case ",$STEPS," in *",fp8,"*) STEPS="$STEPS,decode-8b-fp8,throughput-8b-fp8" ;; esac
 case ",$STEPS," in *",prefetch-ab,"*)
-    STEPS="$STEPS,test-parity,decode-8b,decode-8b-pf,decode-8b-fp8,decode-8b-fp8-pf,decode-tune-prefetch,decode-tune-prefetch-fp8,prefill-prefetch" ;;
+    STEPS="$STEPS,decode-8b,decode-8b-pf,decode-8b-fp8,decode-8b-fp8-pf,decode-tune-prefetch,decode-tune-prefetch-fp8,prefill-prefetch" ;;
 esac
 case ",$STEPS," in *",issue31,"*)
     STEPS="$STEPS,nano,decode-8b,decode-8b-fp8,sharegpt,sharegpt-fp8,sharegpt-fp8-profile,sharegpt-profile" ;;
@@ -230,7 +230,7 @@ for w in $BENCHES; do
 done
 # Attention with the block ids a step ahead (decode-tune-prefetch): the launch for a
 # bf16 cache (GPU_CHECK_DPF_ENV) and an FP8 one (GPU_CHECK_DPF_FP8_ENV), space-separated.
-read -r -a DPF_ENV <<<"${GPU_CHECK_DPF_ENV:-PAGEDLLM_DECODE_PREFETCH=1 PAGEDLLM_DECODE_NUM_STAGES=3 PAGEDLLM_PREFILL_PREFETCH=1}"
+read -r -a DPF_ENV <<<"${GPU_CHECK_DPF_ENV:-PAGEDLLM_DECODE_PREFETCH=1 PAGEDLLM_DECODE_NUM_STAGES=4 PAGEDLLM_PREFILL_PREFETCH=1}"
 read -r -a DPF_FP8_ENV <<<"${GPU_CHECK_DPF_FP8_ENV:-PAGEDLLM_DECODE_PREFETCH=1 PAGEDLLM_PREFILL_PREFETCH=1}"
 run_step nano-dpf 480 "$LOGS/bench.log" env "${DPF_ENV[@]}" $PY "$WORK/bench.py" nano --no-peer \
     --out "$WORK/nano-dpf.json"

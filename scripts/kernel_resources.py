@@ -2,7 +2,7 @@
 an H100 / H200 on any machine (no GPU: Triton's compiler and the ptxas and cuobjdump of its
 wheel run on the CPU).
 
-For each launch choice (keys per step, warps) and cache dtype, the kernel is compiled as
+For each launch choice (keys per step, warps, stages) and cache dtype, the kernel is compiled as
 `triton_paged_attention` launches it at Llama-3-8B's shape (32 query / 8 KV heads,
 head_dim 128, 4 splits; pagedllm/benchmarks/triton_launches.py) and cuobjdump reports its
 registers per thread and its stack (the bytes each thread spills to local memory). A choice
@@ -14,7 +14,8 @@ branch), with the most frequent opcodes: what a change to the loop body costs in
 instructions. Fewer is not always faster (docs/benchmarks.md: an FP8 variant with 17% fewer
 ran 7-20% slower), so a candidate is still timed on a GPU.
 
-    python scripts/kernel_resources.py [--block-n 64 128] [--warps 4 8] [--loop]
+    python scripts/kernel_resources.py [--block-n 64 128] [--warps 4 8] [--stages 2 3]
+        [--prefetch] [--loop]
 """
 from __future__ import annotations
 
@@ -61,11 +62,16 @@ def loop_opcodes(sass: str) -> collections.Counter:
                                for at, ins in lines if lo <= at <= hi)
 
 
-def resources(cache: str, block_n: int, warps: int, loop: bool = False) -> str:
-    """The decode kernel's registers and stack, launched with these constants; with `loop`,
-    its key loop's instructions a pass and the six most frequent opcodes."""
-    cubin = compile_decode_kernel(CACHES[cache], block_n, warps)["cubin"]
+def resources(cache: str, block_n: int, warps: int, loop: bool = False,
+              stages: int | None = None, prefetch: bool = False) -> str:
+    """The decode kernel's registers, stack, shared memory and K/V buffers, launched with
+    these constants; with `loop`, its key loop's instructions a pass and the six most
+    frequent opcodes."""
+    asm = compile_decode_kernel(CACHES[cache], block_n, warps, stages, prefetch)
+    cubin = asm["cubin"]
     line = " ".join(re.findall(r"(?:REG|STACK):\d+", cuobjdump(cubin, "-res-usage")))
+    buffers = re.findall(r"local_alloc : \(\) -> !ttg.memdesc<(\d+)x\d+x\d+x", asm["ttgir"])
+    line += f" SHARED:{asm['shared']} K/V buffers:{'/'.join(buffers)}"
     if loop:
         opcodes = loop_opcodes(cuobjdump(cubin, "-sass"))
         top = " ".join(f"{op} {n}" for op, n in opcodes.most_common(6))
@@ -79,6 +85,10 @@ def main() -> int:
     p.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     p.add_argument("--loop", action="store_true",
                    help="also count the key loop's SASS instructions a pass")
+    p.add_argument("--stages", type=int, nargs="+", default=[None],
+                   help="pipeline stages (default: the engine's for each cache)")
+    p.add_argument("--prefetch", action="store_true",
+                   help="PAGEDLLM_DECODE_PREFETCH=1: the next tile's block ids a step ahead")
     args = p.parse_args()
     print(f"triton {triton.__version__}, decode kernel for sm_90 (registers per thread, "
           f"stack bytes per thread); the engine launches BLOCK_N "
@@ -86,8 +96,11 @@ def main() -> int:
     for cache in CACHES:
         for block_n in args.block_n:
             for warps in args.warps:
-                print(f"  {cache} cache, BLOCK_N {block_n:>3}, {warps} warps: "
-                      f"{resources(cache, block_n, warps, args.loop)}", flush=True)
+                for stages in args.stages:
+                    shown = f", {stages} stages" if stages else ""
+                    print(f"  {cache} cache, BLOCK_N {block_n:>3}, {warps} warps{shown}: "
+                          f"{resources(cache, block_n, warps, args.loop, stages, args.prefetch)}",
+                          flush=True)
     return 0
 
 

@@ -480,7 +480,8 @@ def test_kernel_resources_counts_the_decode_key_loop():
                      interpret=False)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = {m.group(1): m for m in re.finditer(
-        r"(bf16|fp8) cache, BLOCK_N 128, 4 warps: REG:\d+ STACK:(\d+)  loop: (\d+) "
+        r"(bf16|fp8) cache, BLOCK_N 128, 4 warps: REG:\d+ STACK:(\d+) SHARED:\d+ "
+        r"K/V buffers:1/1  loop: (\d+) "
         r"instructions a pass \((.*)\)", run.stdout)}
     assert set(lines) == {"bf16", "fp8"}, run.stdout
     for m in lines.values():

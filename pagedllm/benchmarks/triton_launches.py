@@ -161,14 +161,16 @@ def compile_decode_kernel(cache_dtype: torch.dtype, block_n: int | None = None,
                           num_warps: int | None = None, num_stages: int | None = None,
                           prefetch: bool | None = None) -> dict:
     """The decode attention kernel compiled for sm_90 as launch_attention launches it (bf16
-    queries, 4 splits) over a cache of `cache_dtype`: its `asm` (ttir ... ptx, cubin).
+    queries, 4 splits) over a cache of `cache_dtype`: its `asm` (ttir ... ptx, cubin), and
+    under "shared" the bytes of shared memory a program takes.
     `block_n` / `num_warps` / `num_stages` / `prefetch`: launch choices other than the
     engine's (PAGEDLLM_DECODE_BLOCK_N, _NUM_WARPS, _NUM_STAGES, _PREFETCH)."""
     compiled = []
 
     def compile(fn: JITFunction, source: ASTSource, options: dict) -> None:
         if fn.fn.__name__ == "_paged_decode_kernel":
-            compiled.append(triton.compile(source, target=TARGET, options=options).asm)
+            kernel = triton.compile(source, target=TARGET, options=options)
+            compiled.append({**kernel.asm, "shared": kernel.metadata.shared})
 
     names = ("DECODE_BLOCK_N", "DECODE_NUM_WARPS", "DECODE_NUM_STAGES", "DECODE_PREFETCH")
     saved = {name: getattr(triton_attention, name) for name in names}

@@ -61,7 +61,8 @@ DECODE_NUM_STAGES: int | None = int(os.environ["PAGEDLLM_DECODE_NUM_STAGES"]) \
 if DECODE_NUM_STAGES not in (None, 1, 2, 3, 4):
     raise ValueError(f"PAGEDLLM_DECODE_NUM_STAGES must be 1, 2, 3 or 4, got {DECODE_NUM_STAGES}")
 # PAGEDLLM_DECODE_PREFETCH=1: each program loads the next key tile's block ids a step ahead,
-# so the pipeliner can keep num_stages - 1 key tiles in flight (an A/B; _paged_decode_kernel).
+# so the pipeliner can keep num_stages - 1 key tiles in flight (an A/B; _paged_decode_kernel);
+# its default is then 3 stages over either cache.
 DECODE_PREFETCH = os.environ.get("PAGEDLLM_DECODE_PREFETCH", "0") == "1"
 DECODE_TILE_BYTES = 128 << 10  # of the 228 KiB an SM of an H100 / H200 has
 PREFILL_BLOCK_M = 64
@@ -477,7 +478,7 @@ def decode_num_stages(element_size: int) -> int:
     """Pipeline stages of the decode kernel over a cache of this element size."""
     if DECODE_NUM_STAGES is not None:
         return DECODE_NUM_STAGES
-    return 3 if element_size == 1 else 2
+    return 3 if element_size == 1 or DECODE_PREFETCH else 2  # prefetch: two tiles in flight
 
 
 def decode_block_n(head_dim: int, element_size: int) -> int:
