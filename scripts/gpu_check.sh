@@ -91,9 +91,10 @@
 #                  (layers/norm_fold.py); -norope: PAGEDLLM_FOLD_ROPE=0, only the rotary
 #                  kernel and cache write unfolded (not in the default list)
 #   decode-8b-pf decode-8b-fp8-pf
-#                  the same with PAGEDLLM_GEMV_PREFETCH=1: the one-row GEMVs ask L2 for their
-#                  weight slices before the PDL wait (kernels/triton_gemv.py; not in the
-#                  default list: compare with decode-8b / decode-8b-fp8)
+#                  the same with PAGEDLLM_L2_PREFETCH=1: before their PDL wait the one-row
+#                  GEMVs ask L2 for their weight slices, decode attention for its first key
+#                  tile (kernels/triton_pdl.py; not in the default list: compare with
+#                  decode-8b / decode-8b-fp8)
 #   tp-parity tp-decode-8b tp-throughput-8b tp-allreduce
 #                  tensor parallelism (not in the default list): greedy fp32 TP=2 == TP=1 on
 #                  a random 30-layer Llama (tests/gpu/test_tp.py); decode-8b / throughput-8b at
@@ -258,7 +259,7 @@ done
 # Programmatic dependent launch off, the norms not folded (not in the default steps): the
 # A/Bs against the above. Each entry: step suffix, then the environment it sets (comma list).
 for ab in nopdl:PAGEDLLM_PDL=0 nofold:PAGEDLLM_FOLD_NORMS=0 norope:PAGEDLLM_FOLD_ROPE=0 \
-        pf:PAGEDLLM_GEMV_PREFETCH=1; do
+        pf:PAGEDLLM_L2_PREFETCH=1; do
     vars=${ab#*:}
     for w in decode-8b decode-8b-fp8; do
         extra=() name=$w-${ab%%:*}

@@ -39,7 +39,7 @@ from pagedllm.benchmarks.triton_launches import (  # noqa: E402
 )
 from pagedllm.kernels import (  # noqa: E402
     triton_attention, triton_bitmask, triton_cache, triton_fp8, triton_gemv, triton_lora,
-    triton_ops, triton_sampling, triton_threshold, triton_top_p,
+    triton_ops, triton_pdl, triton_sampling, triton_threshold, triton_top_p,
 )
 
 
@@ -104,9 +104,15 @@ def scenarios() -> list[tuple[str, Callable[[], None]]]:
     for weight, cache in itertools.product(("bf16", "fp8"), ("bf16", "fp8")):
         out.append((f"one-row folds, {weight} weight, {cache} cache",
                     lambda w=weight, c=cache: folds(w, c)))
-    for weight in ("bf16", "fp8"):  # PAGEDLLM_GEMV_PREFETCH=1
+    for weight in ("bf16", "fp8"):  # PAGEDLLM_L2_PREFETCH=1
         out.append((f"one-row folds, {weight} weight, L2 prefetch",
-                    lambda w=weight: with_attr(triton_gemv, "PREFETCH", True, folds, w, "bf16")))
+                    lambda w=weight: with_attr(triton_pdl, "L2_PREFETCH", True, folds, w,
+                                               "bf16")))
+    for cache in ("bf16", "fp8"):
+        out.append((f"attention decode splits 4, {cache} cache, L2 prefetch",
+                    lambda c=cache: with_attr(triton_pdl, "L2_PREFETCH", True,
+                                              launch_attention, torch.bfloat16, DTYPES[c],
+                                              num_splits=4)))
     for cache in ("bf16", "fp8"):  # PAGEDLLM_DECODE_PREFETCH=1, PAGEDLLM_PREFILL_PREFETCH=1
         out.append((f"attention decode splits 4, {cache} cache, block ids a step ahead",
                     lambda c=cache: with_attr(triton_attention, "DECODE_PREFETCH", True,

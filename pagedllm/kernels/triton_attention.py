@@ -102,11 +102,19 @@ def _tile_blocks(table_row, k_pos, kv_lo, seq_len, BLOCK_SIZE: tl.constexpr):
 
 
 @triton.jit
+def _block_rows(blocks, k_pos, kv_head, stride_c_block, stride_c_offset, stride_c_head,
+                BLOCK_SIZE: tl.constexpr):
+    """Element offsets [BLOCK_N] of the first dim of the keys at positions k_pos in `blocks`."""
+    return (blocks.to(tl.int64) * stride_c_block + (k_pos % BLOCK_SIZE) * stride_c_offset
+            + kv_head * stride_c_head)
+
+
+@triton.jit
 def _block_offsets(blocks, k_pos, kv_head, stride_c_block, stride_c_offset, stride_c_head,
                    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Element offsets [BLOCK_N, HEAD_DIM] of the keys at positions k_pos in `blocks`."""
-    rows = (blocks.to(tl.int64) * stride_c_block + (k_pos % BLOCK_SIZE) * stride_c_offset
-            + kv_head * stride_c_head)
+    rows = _block_rows(blocks, k_pos, kv_head, stride_c_block, stride_c_offset, stride_c_head,
+                       BLOCK_SIZE)
     return rows[:, None] + tl.arange(0, HEAD_DIM)[None, :]
 
 
@@ -230,6 +238,26 @@ def _merge_partials(out_rows, part_m_ptr, part_l_ptr, part_acc_ptr, part, num_ac
     tl.store(out_rows, out.to(out_rows.dtype.element_ty), mask=row_valid[:, None])
 
 
+@triton.jit
+def _prefetch_first_tile(cache_ptr, table_row, seq_len, split, sliding_window, min_tiles,
+                         kv_head, stride_c_kv, stride_c_block, stride_c_offset, stride_c_head,
+                         BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         USE_WINDOW: tl.constexpr):
+    """Ask L2 for the K and V rows of this split's first key tile (kernels/triton_pdl.py:
+    before the PDL wait; positions without a key ask for block 0's rows, a harmless read)."""
+    kv_lo, first_tile, num_tiles, tiles_per_split, num_active = _split_range(
+        seq_len, sliding_window, min_tiles, BLOCK_N, NUM_SPLITS, USE_WINDOW)
+    if split < num_active:
+        k_pos = (first_tile + split * tiles_per_split) * BLOCK_N + tl.arange(0, BLOCK_N)
+        blocks = _tile_blocks(table_row, k_pos, kv_lo, seq_len, BLOCK_SIZE)
+        rows = cache_ptr + _block_rows(blocks, k_pos, kv_head, stride_c_block,
+                                       stride_c_offset, stride_c_head, BLOCK_SIZE)
+        row_bytes: tl.constexpr = HEAD_DIM * cache_ptr.dtype.element_ty.primitive_bitwidth // 8
+        triton_pdl.prefetch_l2(rows, row_bytes)
+        triton_pdl.prefetch_l2(rows + stride_c_kv, row_bytes)
+
+
 # The arguments that change from step to step (the batch's block-table width, the tiles a
 # split takes) are not specialized: the JIT would otherwise compile a kernel per class of
 # their values (1, a multiple of 16, other), each first met mid-run, where its compile (or
@@ -256,14 +284,23 @@ def _paged_decode_kernel(
     FP16_DOTS: tl.constexpr,
     PDL: tl.constexpr,
     PREFETCH: tl.constexpr,
+    L2_PREFETCH: tl.constexpr,
 ):
-    if PDL:  # before any read of an earlier kernel's output, any write (kernels/triton_pdl.py)
-        gdc_wait()
-        gdc_launch_dependents()
     seq = tl.program_id(0)  # decode: token index == sequence index
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + seq)
+    table_row = block_tables_ptr + seq * stride_bt
+    if L2_PREFETCH:  # (with PDL) the step's inputs, and the cache but for the newest key
+        seq_len = tl.load(seq_lens_ptr + seq)
+        _prefetch_first_tile(cache_ptr, table_row, seq_len, split, sliding_window, min_tiles,
+                             kv_head, stride_c_kv, stride_c_block, stride_c_offset,
+                             stride_c_head, BLOCK_SIZE, HEAD_DIM, BLOCK_N, NUM_SPLITS,
+                             USE_WINDOW)
+    if PDL:  # before any read of an earlier kernel's output, any write (kernels/triton_pdl.py)
+        gdc_wait()
+        gdc_launch_dependents()
+    if not L2_PREFETCH:
+        seq_len = tl.load(seq_lens_ptr + seq)
     kv_lo, first_tile, num_tiles, tiles_per_split, num_active = _split_range(
         seq_len, sliding_window, min_tiles, BLOCK_N, NUM_SPLITS, USE_WINDOW)
     if split >= num_active:
@@ -291,7 +328,6 @@ def _paged_decode_kernel(
     m_i = tl.full([GROUP_PAD], -1e30, tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    table_row = block_tables_ptr + seq * stride_bt
     if PREFETCH:
         # The block ids of tile i + 1 are loaded while tile i is: a key tile's address then
         # comes from the loop's carried values, not from a load of the same iteration, and
@@ -653,6 +689,7 @@ def _decode(out, query, kv_cache, meta, alibi_arg, num_splits, common) -> None:
         query, kv_cache, meta.block_tables, meta.seq_lens, alibi_arg,
         num_heads=num_heads, min_tiles=min_tiles, GROUP_PAD=group_pad, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, num_warps=DECODE_NUM_WARPS, PREFETCH=DECODE_PREFETCH,
+        L2_PREFETCH=triton_pdl.l2_prefetch(query.device),
         num_stages=decode_num_stages(kv_cache.element_size()), **common,
         **triton_pdl.launch_kwargs(query.device),
     )

@@ -11,10 +11,10 @@ cost ~4 us each, ~0.5 ms of a Llama-3-8B decode step's 4 ms.
 One row takes the CUDA cores (products summed along K, no padding to a tensor-core tile);
 2-16 rows take tl.dot. Under programmatic dependent launch (kernels/triton_pdl.py) a one-row
 program loads its first weight tile before it waits for the kernel that wrote x. With
-PAGEDLLM_GEMV_PREFETCH=1 (an A/B, off by default until measured) it also asks L2 for the
-rest of its weight slice there (bulk prefetches, a few per row): a program made resident
-during the kernel before would stream its weights while that kernel's tail runs, so HBM
-need not idle between the short kernels of a decode step. The kernel runs under
+PAGEDLLM_L2_PREFETCH=1 (kernels/triton_pdl.py) it also asks L2 for the rest of its weight
+slice there (bulk prefetches, a few per row): a program made resident during the kernel
+before would stream its weights while that kernel's tail runs, so HBM need not idle
+between the short kernels of a decode step. The kernel runs under
 TRITON_INTERPRET=1 on the CPU for the tests (its tl.dot takes fp16, not bf16; no PDL, no
 prefetch).
 
@@ -47,16 +47,12 @@ def _load_weights(w_rows, ks, rn, N, k_end, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_l2(w_rows, k_start, slice_bytes, PARTS: tl.constexpr):
+def _prefetch_slice(w_rows, k_start, slice_bytes, PARTS: tl.constexpr):
     """Ask L2 for this program's weight slice: rows w_rows, slice_bytes from column k_start,
     in PARTS bulk prefetches per row (each part a multiple of 16 bytes, 16-byte aligned)."""
     part = slice_bytes // PARTS
     rows = (w_rows + k_start).to(tl.pointer_type(tl.uint8), bitcast=True)
-    ptrs = rows + (tl.arange(0, PARTS) * part)[None, :]
-    tl.inline_asm_elementwise(
-        "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
-        [ptrs, tl.full(ptrs.shape, 0, tl.int32) + part], dtype=tl.int32, is_pure=False,
-        pack=1)
+    triton_pdl.prefetch_l2(rows + (tl.arange(0, PARTS) * part)[None, :], part)
 
 
 @triton.jit
@@ -222,7 +218,7 @@ def _skinny_kernel(out_ptr, part_ptr, count_ptr, x_ptr, w_ptr, scale_ptr, M, N, 
         # tile is on its way before the wait for that kernel's x.
         w = _load_weights(w_rows, k_start + rk, rn, N, k_end, EVEN)
         if PREFETCH:  # the rest of the slice into L2 (EVEN: every row and byte in bounds)
-            _prefetch_l2(w_rows, k_start, k_per_split * W_BYTES, PREFETCH_PARTS)
+            _prefetch_slice(w_rows, k_start, k_per_split * W_BYTES, PREFETCH_PARTS)
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
@@ -287,7 +283,6 @@ def _skinny_kernel(out_ptr, part_ptr, count_ptr, x_ptr, w_ptr, scale_ptr, M, N, 
 
 
 MAX_ROWS = 16
-PREFETCH = os.environ.get("PAGEDLLM_GEMV_PREFETCH", "0") == "1"
 
 
 @dataclass(frozen=True)
@@ -435,7 +430,8 @@ def folded_matmul(x: torch.Tensor | RmsInput, weight: torch.Tensor,
     # Bulk prefetches take 16-byte aligned parts of whole 16-byte multiples; only before
     # the PDL wait is there a kernel to overlap with.
     parts = max(1, config.num_warps * 32 // config.block_n)
-    prefetch = (PREFETCH and pdl["PDL"] and M == 1 and even and weight.data_ptr() % 16 == 0
+    prefetch = (triton_pdl.l2_prefetch(x.device) and M == 1 and even
+                and weight.data_ptr() % 16 == 0
                 and (k_per_split * weight.element_size()) % (16 * parts) == 0)
     unused = out  # pointer arguments of folds that are off: never read or written
     _skinny_kernel[(blocks_n, split)](
