@@ -76,6 +76,9 @@
 #   prefetch-ab    the prefetch A/Bs' micro steps in one list (not in the default list):
 #                  decode-8b and decode-8b-fp8 with and without -pf,
 #                  decode-tune-prefetch(-fp8) and prefill-prefetch
+#   nano-noqkfold  nano with PAGEDLLM_FOLD_QK_NORM=0: Qwen3's q and k norms as two kernels
+#                  a layer instead of folded into the rotary and cache write (not in the
+#                  default list: compare with nano)
 #   nano-profile   `pagedllm bench nano --profile --no-peer`: nano's kernels by kind and the
 #                  host gaps (not in the default list)
 #   nano-sync decode-8b-sync throughput-8b-sync
@@ -236,6 +239,11 @@ read -r -a DPF_FP8_ENV <<<"${GPU_CHECK_DPF_FP8_ENV:-PAGEDLLM_DECODE_PREFETCH=1 P
 run_step nano-dpf 480 "$LOGS/bench.log" env "${DPF_ENV[@]}" $PY "$WORK/bench.py" nano --no-peer \
     --out "$WORK/nano-dpf.json"
 [ -f "$WORK/nano-dpf.json" ] && { echo "-- nano-dpf.json"; cat "$WORK/nano-dpf.json"; } >>"$LOGS/bench.log"
+# Qwen3's q and k norms as kernels of their own (the default folds them into the rotary
+# and cache write): compare with nano.
+run_step nano-noqkfold 480 "$LOGS/bench.log" env PAGEDLLM_FOLD_QK_NORM=0 $PY "$WORK/bench.py" \
+    nano --no-peer --out "$WORK/nano-noqkfold.json"
+[ -f "$WORK/nano-noqkfold.json" ] && { echo "-- nano-noqkfold.json"; cat "$WORK/nano-noqkfold.json"; } >>"$LOGS/bench.log"
 run_step nano-profile 480 "$LOGS/bench.log" $PY "$WORK/bench.py" nano --profile --no-peer \
     --out "$WORK/nano-profile.json"
 # Structured output at nano's shape, batch 256: half of the requests constrained vs none.

@@ -733,6 +733,44 @@ def test_rotary_write_kv_cache_is_rotary_then_write(rotary_dim, dtype):
     assert not torch.equal(got_qkv, qkv)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_write_kv_cache_folds_the_qk_norms(dtype):
+    """Qwen3's per-head q and k norms folded into the rotary and cache write: what the norm
+    kernels and then the fused kernel give (to rounding: the fold sums a head's squares in
+    two halves), the heads read and written in place inside the fused qkv output."""
+    g = torch.Generator().manual_seed(10)
+    num_tokens, num_heads, kv_heads, head_dim, block_size, num_blocks = 6, 4, 2, 32, 16, 3
+    positions = torch.tensor([0, 5, 17, 3, 40, 8]).to(DEVICE)
+    slots = torch.tensor([4, -1, 20, 33, 0, 47]).to(DEVICE)
+    table = cos_sin_cache(64, head_dim).to(DEVICE)
+    qkv = (3 * torch.randn(num_tokens, num_heads + 2 * kv_heads, head_dim, generator=g)
+           ).to(dtype).to(DEVICE)
+    start = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    q_weight, k_weight = (torch.randn(head_dim, generator=g).to(dtype).to(DEVICE) for _ in "qk")
+
+    def views(t):
+        return t[:, :num_heads], t[:, num_heads:num_heads + kv_heads], t[:, num_heads + kv_heads:]
+
+    q, k, v = views(qkv)
+    want_q, want_k = triton_rms_norm(q, q_weight, 1e-6), triton_rms_norm(k, k_weight, 1e-6)
+    want_cache = start.clone()
+    triton_rotary_write_kv_cache(positions, want_q, want_k, v, want_cache, slots, table)
+    got_qkv, got_cache = qkv.clone(), start.clone()
+    triton_rotary_write_kv_cache(positions, *views(got_qkv), got_cache, slots, table,
+                                 (q_weight, k_weight, 1e-6))
+    got_q, got_k, got_v = views(got_qkv)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got_q, want_q, **tol)
+    torch.testing.assert_close(got_k, want_k, **tol)
+    torch.testing.assert_close(got_cache, want_cache, **tol)
+    assert torch.equal(got_v, v)
+    assert torch.equal(got_cache.flatten(1, 2)[:, 1], start.flatten(1, 2)[:, 1])  # untouched
+    assert (got_q - q).abs().max() > 1  # normed: the inputs were scaled by 3
+    with pytest.raises(ValueError, match="a folded q/k norm takes full rotary"):
+        triton_rotary_write_kv_cache(positions, *views(qkv.clone()), start.clone(), slots,
+                                     cos_sin_cache(64, 16).to(DEVICE), (q_weight, k_weight, 1e-6))
+
+
 def test_sample_rows_draws_from_softmax_over_temperature():
     """Gumbel-max with Philox noise: 200 rows of the same logits (a seed each) hit every
     token near its softmax(x / T) frequency: 0.866 / 0.016 / 0 / 0.117 at T = 0.5, where

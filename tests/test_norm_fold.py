@@ -75,15 +75,19 @@ def count_norms(monkeypatch) -> list[int]:
 
 
 # Plain Llama (qkv folds the rotary embedding and cache write too), with a qkv bias (added
-# inside the fold), with the rope fold switched off, and Qwen3-like q/k norms (no rope fold).
-CASES = {"llama": ({}, True), "bias": ({"attention_bias": True}, True),
-         "rope off": ({}, False), "qk norms": ({"qk_norm": True, "attention_bias": True}, True)}
+# inside the fold), with the rope fold switched off, and Qwen3-like q/k norms (no rope fold:
+# the norms fold into the rotary and cache write kernel instead, unless that is switched off).
+CASES = {"llama": ({}, True, True), "bias": ({"attention_bias": True}, True, True),
+         "rope off": ({}, False, True),
+         "qk norms": ({"qk_norm": True, "attention_bias": True}, True, True),
+         "qk norms as kernels": ({"qk_norm": True, "attention_bias": True}, True, False)}
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_one_row_folds_and_matches_the_norm_kernels(monkeypatch, case):
-    overrides, rope_on = CASES[case]
+    overrides, rope_on, fold_qk_norm = CASES[case]
     monkeypatch.setattr(norm_fold, "ROPE", rope_on)
+    monkeypatch.setattr(dispatch, "FOLD_QK_NORM", fold_qk_norm)
     model, config = tiny_model(**overrides)
     assert type(model).folds_norms.func(model)
     folds_rope = rope_on and not overrides.get("qk_norm")
@@ -94,7 +98,7 @@ def test_one_row_folds_and_matches_the_norm_kernels(monkeypatch, case):
     got, got_caches = run_step(model, config, [11], [7], fold=True)
     folded, folded_rotary = calls[0] - unfolded, rotary[0] - unfolded_rotary
     layers = config.num_hidden_layers
-    per_head = 2 if overrides.get("qk_norm") else 0  # q and k norms stay kernels
+    per_head = 2 if overrides.get("qk_norm") and not fold_qk_norm else 0  # q and k norms
     assert unfolded == 2 * layers + 1 + per_head * layers
     assert folded == 2 + per_head * layers
     assert unfolded_rotary == layers and folded_rotary == (0 if folds_rope else layers)
@@ -132,3 +136,21 @@ def test_fp32_weights_cpu_kernels_and_other_steps_do_not_fold():
     assert norm_fold.folds(torch.zeros(1, 64, dtype=torch.bfloat16))
     assert not norm_fold.folds(torch.zeros(1, 64))
     assert not norm_fold.folds(torch.zeros(2, 64, dtype=torch.bfloat16))
+
+
+def test_qk_norms_folded_into_the_rotary_kernel_match_their_kernels(monkeypatch):
+    """Qwen3's q and k norms inside the rotary and cache write kernel (dispatch.FOLD_QK_NORM)
+    give the hidden states and cached K/V of their own kernels, over two rows (no GEMV
+    fold), with two fewer norm kernels a layer."""
+    model, config = tiny_model(qk_norm=True)
+    calls = count_norms(monkeypatch)
+    monkeypatch.setattr(dispatch, "FOLD_QK_NORM", False)
+    want, want_caches = run_step(model, config, [11, 12], [7, 5], fold=True)
+    as_kernels = calls[0]
+    monkeypatch.setattr(dispatch, "FOLD_QK_NORM", True)
+    got, got_caches = run_step(model, config, [11, 12], [7, 5], fold=True)
+    assert as_kernels - (calls[0] - as_kernels) == 2 * config.num_hidden_layers
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    assert (got - want).abs().max() < 0.05 * want.abs().max()
+    for a, b in zip(got_caches, want_caches):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)

@@ -87,6 +87,10 @@ def scenarios() -> list[tuple[str, Callable[[], None]]]:
             triton_cache.triton_rotary_write_kv_cache(
                 torch.zeros(3, dtype=torch.long), q, k, k, kv, torch.zeros(3, dtype=torch.long),
                 torch.zeros(64, 128))
+            norm = torch.ones(128, dtype=bf16)  # Qwen3's q and k norms folded in
+            triton_cache.triton_rotary_write_kv_cache(
+                torch.zeros(3, dtype=torch.long), q, k, k, kv, torch.zeros(3, dtype=torch.long),
+                torch.zeros(64, 128), (norm, norm, 1e-6))
         out.append((f"cache writes, {cache} cache", write))
     for dtype in ("bf16", "fp32"):
         def ops(dtype=DTYPES[dtype]):

@@ -3,7 +3,8 @@
 One program per token copies the token's K and V rows (all KV heads) into slot
 slot_mapping[t] of the paged cache; a slot of -1 (a padding token) is skipped. A variant
 applies the rotary embedding to the token's query and key first (one launch instead of
-two per layer: ~1.5 us each of a batch-1 decode step's layers).
+two per layer: ~1.5 us each of a batch-1 decode step's layers), and with it Qwen3's
+per-head q and k norms (one launch instead of three).
 
 An FP8 cache (float8_e4m3fn, --kv-cache-dtype fp8) stores K and V with a scale of 1.0,
 vLLM's default when a checkpoint carries no KV scales: the values are clamped to E4M3's
@@ -66,17 +67,18 @@ def _rotary_and_cache_kernel(
     stride_c_kv, stride_c_block, stride_c_offset, stride_c_head, block_size, num_heads, half,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr,
     Q_HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr, FP8_MAX: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, q_norm_ptr, k_norm_ptr, eps, NORM: tl.constexpr,
 ):
-    """The rotary embedding of one token's query and key (in place), then its K and V into
-    the cache: triton_ops' rotary kernel and the one above in one launch."""
+    """The rotary embedding of one token's query and key (in place; NORM: each head
+    RMS-normed first), then its K and V into the cache: triton_ops' norm and rotary kernels
+    and the one above in one launch."""
     if PDL:  # before any read of an earlier kernel's output, any write (kernels/triton_pdl.py)
         gdc_wait()
         gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     rotate_token(q_ptr, key_ptr, token, positions_ptr, cos_sin_ptr, stride_qt, stride_qh,
                  stride_kt, stride_kh, stride_cs, num_heads, NUM_KV_HEADS, half, Q_HEADS_PAD,
-                 HEADS_PAD, HALF_PAD)
+                 HEADS_PAD, HALF_PAD, q_norm_ptr, k_norm_ptr, eps, NORM)
     tl.debug_barrier()  # the rotated key, stored by other threads, is read back below
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot >= 0:
@@ -146,18 +148,27 @@ def triton_rotary_write_kv_cache(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     cos_sin_cache: torch.Tensor,  # [max_position, rotary_dim]: cos | sin
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> None:
     """triton_rotary_embedding(positions, query, key, cos_sin_cache), then
-    triton_write_kv_cache(key, value, kv_cache, slot_mapping), in one kernel."""
+    triton_write_kv_cache(key, value, kv_cache, slot_mapping), in one kernel. qk_norm
+    (q weight [head_dim], k weight, eps): each query and key head RMS-normed before its
+    rotation (Qwen3's q_norm and k_norm; full rotary only)."""
     check_rotary_inputs(positions, query, key, cos_sin_cache)
     _check_cache_inputs(key, value, kv_cache, slot_mapping)
     if value.stride(-1) != 1:
         raise ValueError("value must be contiguous in its last dimension")
     num_tokens, num_heads, _ = query.shape
+    num_kv_heads, head_dim = kv_cache.shape[3:]
+    if qk_norm is not None and (cos_sin_cache.shape[-1] != head_dim or any(
+            tuple(w.shape) != (head_dim,) for w in qk_norm[:2])):
+        raise ValueError(f"a folded q/k norm takes full rotary ({head_dim} dims) and weights "
+                         f"of ({head_dim},), got rotary_dim {cos_sin_cache.shape[-1]} and "
+                         f"{[tuple(w.shape) for w in qk_norm[:2]]}")
     if num_tokens == 0:
         return
-    num_kv_heads, head_dim = kv_cache.shape[3:]
     half = cos_sin_cache.shape[-1] // 2
+    q_norm, k_norm, eps = qk_norm if qk_norm is not None else (query, query, 0.0)
     _rotary_and_cache_kernel[(num_tokens,)](
         query, key, value, kv_cache, slot_mapping, positions, cos_sin_cache,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1),
@@ -167,4 +178,5 @@ def triton_rotary_write_kv_cache(
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         Q_HEADS_PAD=triton.next_power_of_2(num_heads), HALF_PAD=triton.next_power_of_2(half),
         FP8_MAX=fp8_max(kv_cache), num_warps=4, **triton_pdl.launch_kwargs(query.device),
+        q_norm_ptr=q_norm, k_norm_ptr=k_norm, eps=eps, NORM=qk_norm is not None,
     )

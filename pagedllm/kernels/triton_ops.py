@@ -248,13 +248,24 @@ def triton_silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 @triton.jit
 def rotate_heads(ptr, token, stride_t, stride_h, num_heads, cos, sin, half,
-                  HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr):
+                 HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
+                 norm_ptr=None, eps=0.0, NORM: tl.constexpr = False):
+    """One token's heads rotated in place. NORM (full rotary: the halves are the whole
+    head): each head first RMS-normed with the weight at norm_ptr ([2 * half]), rounded
+    where the unfused norm kernel rounds (_rms_norm_kernel)."""
     heads = tl.arange(0, HEADS_PAD)[:, None]
     cols = tl.arange(0, HALF_PAD)[None, :]
     mask = (heads < num_heads) & (cols < half)
     first = ptr + token * stride_t + heads * stride_h + cols
     x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(first + half, mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        dtype = ptr.dtype.element_ty
+        inv_rms = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * half) + eps)[:, None]
+        w1 = tl.load(norm_ptr + cols, mask=cols < half, other=0.0).to(tl.float32)
+        w2 = tl.load(norm_ptr + half + cols, mask=cols < half, other=0.0).to(tl.float32)
+        x1 = ((x1 * inv_rms).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+        x2 = ((x2 * inv_rms).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
     tl.store(first, (x1 * cos - x2 * sin).to(ptr.dtype.element_ty), mask=mask)
     tl.store(first + half, (x2 * cos + x1 * sin).to(ptr.dtype.element_ty), mask=mask)
 
@@ -263,15 +274,19 @@ def rotate_heads(ptr, token, stride_t, stride_h, num_heads, cos, sin, half,
 def rotate_token(q_ptr, k_ptr, token, positions_ptr, cos_sin_ptr,
                  stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
                  num_heads, num_kv_heads, half,
-                 Q_HEADS_PAD: tl.constexpr, K_HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr):
-    """Token `token`'s query and key heads rotated in place at its position."""
+                 Q_HEADS_PAD: tl.constexpr, K_HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
+                 q_norm_ptr=None, k_norm_ptr=None, eps=0.0, NORM: tl.constexpr = False):
+    """Token `token`'s query and key heads rotated in place at its position (NORM: each
+    head RMS-normed first, Qwen3's q_norm and k_norm; see rotate_heads)."""
     pos = tl.load(positions_ptr + token).to(tl.int64)
     cols = tl.arange(0, HALF_PAD)
     cmask = cols < half
     cos = tl.load(cos_sin_ptr + pos * stride_cs + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
     sin = tl.load(cos_sin_ptr + pos * stride_cs + half + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    rotate_heads(q_ptr, token, stride_qt, stride_qh, num_heads, cos, sin, half, Q_HEADS_PAD, HALF_PAD)
-    rotate_heads(k_ptr, token, stride_kt, stride_kh, num_kv_heads, cos, sin, half, K_HEADS_PAD, HALF_PAD)
+    rotate_heads(q_ptr, token, stride_qt, stride_qh, num_heads, cos, sin, half, Q_HEADS_PAD,
+                 HALF_PAD, q_norm_ptr, eps, NORM)
+    rotate_heads(k_ptr, token, stride_kt, stride_kh, num_kv_heads, cos, sin, half, K_HEADS_PAD,
+                 HALF_PAD, k_norm_ptr, eps, NORM)
 
 
 @triton.jit

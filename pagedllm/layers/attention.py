@@ -49,9 +49,12 @@ class PagedAttention(Dispatched):
         kv_cache: torch.Tensor,
         meta: PagedAttentionInputMetadata,
         rope: Any = None,
+        qk_norm: tuple[torch.nn.Module, torch.nn.Module] | None = None,
     ) -> torch.Tensor:
         """rope (layers/rotary.RotaryTables): rotate q and k at meta.positions first, where
-        the backend can in the same kernel that writes K and V to the cache."""
+        the backend can in the same kernel that writes K and V to the cache; qk_norm (two
+        per-head RMSNorms, Qwen3's q_norm and k_norm; with rope only): applied before the
+        rotation, in that kernel too where the backend can."""
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -59,8 +62,10 @@ class PagedAttention(Dispatched):
             if self._alibi is not None:
                 raise ValueError("a layer takes either rotary embeddings or ALiBi, not both")
             out = self.backend.rotary_paged_attention(q, k, v, kv_cache, meta, self.scale,
-                                                      self.sliding_window, rope)
+                                                      self.sliding_window, rope, qk_norm)
         else:
+            if qk_norm is not None:
+                raise ValueError("q and k norms come with rotary embeddings here")
             out = self.backend.paged_attention(q, k, v, kv_cache, meta, self.scale,
                                                self.sliding_window, self.alibi_slopes(q.device))
         return out.reshape(-1, self.num_heads * self.head_dim)

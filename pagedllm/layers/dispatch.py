@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -74,9 +75,13 @@ class TorchBackend:
 
     def rotary_paged_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                kv_cache: torch.Tensor, meta: PagedAttentionInputMetadata,
-                               scale: float, sliding_window: int | None, rope: Any
+                               scale: float, sliding_window: int | None, rope: Any,
+                               qk_norm: tuple[nn.Module, nn.Module] | None = None
                                ) -> torch.Tensor:
-        """The rotary embedding of q and k at meta.positions, then paged_attention."""
+        """The rotary embedding of q and k at meta.positions (after their per-head RMSNorms
+        qk_norm, Qwen3's q_norm and k_norm), then paged_attention."""
+        if qk_norm is not None:
+            q, k = qk_norm[0](q), qk_norm[1](k)
         q, k = self.rotary_embedding(meta.positions, q, k, rope, meta)
         return self.paged_attention(q, k, v, kv_cache, meta, scale, sliding_window, None)
 
@@ -128,6 +133,11 @@ class CpuBackend(TorchBackend):
                                          key=k, value=v)
 
 
+# PAGEDLLM_FOLD_QK_NORM=0: Qwen3's q and k norms as kernels of their own, not folded into
+# the rotary and cache write (an A/B).
+FOLD_QK_NORM = os.environ.get("PAGEDLLM_FOLD_QK_NORM", "1") != "0"
+
+
 class TritonBackend(TorchBackend):
     """The Triton kernels (CUDA; CPU tensors too under TRITON_INTERPRET=1). None of them
     reads a device value on the host, so a decode step can be captured in a CUDA graph (the
@@ -174,14 +184,23 @@ class TritonBackend(TorchBackend):
         return triton_paged_attention(q, kv_cache, meta, scale, sliding_window, alibi,
                                       num_splits=meta.num_splits)
 
-    def rotary_paged_attention(self, q, k, v, kv_cache, meta, scale, sliding_window, rope):
+    def rotary_paged_attention(self, q, k, v, kv_cache, meta, scale, sliding_window, rope,
+                               qk_norm=None):
+        cos_sin = rope.cos_sin_cache(q.device)
+        strided = not all(t.stride(-1) == 1 for t in (q, k, v))
+        # The norms fold into the rotary kernel where the rotation covers whole heads.
+        fold = (qk_norm is not None and FOLD_QK_NORM and not strided
+                and cos_sin.shape[-1] == q.shape[-1])
+        if qk_norm is not None and not fold:
+            q, k = qk_norm[0](q), qk_norm[1](k)
         if not all(t.stride(-1) == 1 for t in (q, k, v)):
             return super().rotary_paged_attention(q, k, v, kv_cache, meta, scale,
                                                   sliding_window, rope)
         from pagedllm.kernels.triton_cache import triton_rotary_write_kv_cache
 
+        norms = (qk_norm[0].weight, qk_norm[1].weight, qk_norm[0].eps) if fold else None
         triton_rotary_write_kv_cache(meta.positions, q, k, v, kv_cache, meta.slot_mapping,
-                                     rope.cos_sin_cache(q.device))
+                                     cos_sin, norms)
         return self.cached_attention(q, kv_cache, meta, scale, sliding_window)
 
     def cached_attention(self, q, kv_cache, meta, scale, sliding_window):

@@ -76,10 +76,10 @@ class LlamaAttention(nn.Module):
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        # the attention's backend rotates q and k (with the cache write, where it can)
-        return self.attn(q, k, v, kv_cache, meta, rope=self.rotary.rope)
+        # the attention's backend norms (Qwen3) and rotates q and k (with the cache write,
+        # where it can)
+        qk_norm = (self.q_norm, self.k_norm) if self.q_norm is not None else None
+        return self.attn(q, k, v, kv_cache, meta, rope=self.rotary.rope, qk_norm=qk_norm)
 
     def attend_folded(self, x: torch.Tensor | RmsInput, kv_cache: torch.Tensor,
                       meta: PagedAttentionInputMetadata, fold_rope: bool) -> torch.Tensor:

@@ -16,12 +16,26 @@ SMOLLM2_SHAPE = dict(
 )
 
 
-def save_random_model(folder: str | Path, shape: dict, seed: int = 0) -> None:
+# A Qwen3-shaped model (per-head q and k norms) small enough for a fast CUDA-vs-CPU check.
+QWEN3_SHAPE = dict(
+    vocab_size=49152, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=64, rope_theta=1000000.0,
+    tie_word_embeddings=True, max_position_embeddings=2048, rms_norm_eps=1e-6,
+    bos_token_id=1, eos_token_id=2,
+)
+
+
+def save_random_model(folder: str | Path, shape: dict, seed: int = 0,
+                      architecture: str = "llama") -> None:
+    """architecture: "llama" or "qwen3" (transformers' classes of that name)."""
     import transformers
 
-    config = transformers.LlamaConfig(**shape)
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[architecture]
+    config = config_cls(**shape)
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = model_cls(config).eval()
     model.save_pretrained(folder)
     saved = json.loads((Path(folder) / "config.json").read_text())
     theta = saved.get("rope_theta") or (saved.get("rope_parameters") or {}).get("rope_theta")

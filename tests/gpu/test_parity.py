@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from tests.gpu.random_model import SMOLLM2_SHAPE, compare, free
+from tests.gpu.random_model import QWEN3_SHAPE, SMOLLM2_SHAPE, compare, free, save_random_model
 
 pytestmark = pytest.mark.cuda
 
@@ -103,6 +103,18 @@ def test_speculative_run_verified_rows(run, label):
 @pytest.mark.parametrize("label", LENGTHS)
 def test_graphs_replayed(run, label):
     assert run(label, "cuda fp32 graphs")["graph_replays"] > 0
+
+
+def test_qwen3_qk_norms_cuda_vs_cpu(tmp_path, prompts):
+    """A Qwen3-shaped random model (per-head q and k norms, folded into the rotary and cache
+    write kernel on CUDA): fp32 greedy tokens on CUDA with graphs == the CPU's."""
+    save_random_model(tmp_path, QWEN3_SHAPE, architecture="qwen3")
+    lengths = LENGTHS["16x2..32"]
+    cpu = generate(str(tmp_path), prompts, lengths, **CPU)
+    cuda = generate(str(tmp_path), prompts, lengths, dtype="float32", **GPU)
+    row = compare(cuda, cpu)
+    print(f"qwen3-shaped, cuda fp32 graphs vs cpu fp32: {row}")
+    assert row["ok"] and cuda["graph_replays"] > 0, row
 
 
 def test_bf16_graphs_vs_eager(model_dir, prompts):
