@@ -329,43 +329,32 @@ def _paged_decode_kernel(
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     if PREFETCH:
-        # The block ids of tile i + 1 are loaded while tile i is: a key tile's address then
-        # comes from the loop's carried values, not from a load of the same iteration, and
-        # the JIT's pipeliner keeps num_stages - 1 tiles in flight in shared memory (with the
-        # block-table load in the iteration it keeps one, and issues the next tile's copy
-        # only after the current one's dots).
-        k_pos = tile_lo * BLOCK_N + tl.arange(0, BLOCK_N)
-        blocks = _tile_blocks(table_row, k_pos, kv_lo, seq_len, BLOCK_SIZE)
-        for tile in range(tile_lo, tile_hi):
-            k_pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-            kv_mask = (k_pos >= kv_lo) & (k_pos < seq_len)
+        blocks = _tile_blocks(table_row, tile_lo * BLOCK_N + tl.arange(0, BLOCK_N), kv_lo,
+                              seq_len, BLOCK_SIZE)
+    for tile in range(tile_lo, tile_hi):
+        k_pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        kv_mask = (k_pos >= kv_lo) & (k_pos < seq_len)
+        if PREFETCH:
+            # The block ids of tile i + 1 are loaded while tile i is: a key tile's address
+            # then comes from the loop's carried values, not from a load of the same
+            # iteration, and the JIT's pipeliner keeps num_stages - 1 tiles in flight in
+            # shared memory (with the block-table load in the iteration it keeps one, and
+            # issues the next tile's copy only after the current one's dots).
             offs = _block_offsets(blocks, k_pos, kv_head, stride_c_block, stride_c_offset,
                                   stride_c_head, BLOCK_SIZE, HEAD_DIM)
             blocks = _tile_blocks(table_row, k_pos + BLOCK_N, kv_lo, seq_len, BLOCK_SIZE)
-            k = tl.load(cache_ptr + offs, mask=kv_mask[:, None], other=0.0)
-            v = _values_operand(tl.load(cache_ptr + stride_c_kv + offs, mask=kv_mask[:, None],
-                                        other=0.0), kv_mask, q.dtype)
-            bias = slopes[:, None] * (k_pos - q_pos).to(tl.float32)[None, :]
-            m_i, l_i, acc = _online_softmax_step(
-                q, k, v, kv_mask[None, :], bias, m_i, l_i, acc, qk_scale, USE_ALIBI,
-                DOT_PRECISION,
-            )
-    else:
-        for tile in range(tile_lo, tile_hi):
-            k_pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-            kv_mask = (k_pos >= kv_lo) & (k_pos < seq_len)
+        else:
             offs = _kv_tile_offsets(
                 table_row, k_pos, kv_mask, kv_head,
                 stride_c_block, stride_c_offset, stride_c_head, BLOCK_SIZE, HEAD_DIM,
             )
-            k = tl.load(cache_ptr + offs, mask=kv_mask[:, None], other=0.0)
-            v = _values_operand(tl.load(cache_ptr + stride_c_kv + offs, mask=kv_mask[:, None],
-                                        other=0.0), kv_mask, q.dtype)
-            bias = slopes[:, None] * (k_pos - q_pos).to(tl.float32)[None, :]
-            m_i, l_i, acc = _online_softmax_step(
-                q, k, v, kv_mask[None, :], bias, m_i, l_i, acc, qk_scale, USE_ALIBI,
-                DOT_PRECISION,
-            )
+        k = tl.load(cache_ptr + offs, mask=kv_mask[:, None], other=0.0)
+        v = _values_operand(tl.load(cache_ptr + stride_c_kv + offs, mask=kv_mask[:, None],
+                                    other=0.0), kv_mask, q.dtype)
+        bias = slopes[:, None] * (k_pos - q_pos).to(tl.float32)[None, :]
+        m_i, l_i, acc = _online_softmax_step(
+            q, k, v, kv_mask[None, :], bias, m_i, l_i, acc, qk_scale, USE_ALIBI, DOT_PRECISION,
+        )
 
     out_rows = out_ptr + seq * stride_ot + heads[:, None] * stride_oh + dims[None, :]
     if num_active == 1:  # the whole context in this program: no partials, no count
