@@ -438,7 +438,7 @@ def tune_decode_mix(device: str, heads=(32, 16), batches=(64, 256, 1024),
     ShareGPT-like mix's decode steps): ms per call and the KV bytes' GB/s at each batch
     size, for each query head count over 8 KV heads (32: Llama-3-8B, 16: nano's Qwen3).
     kv_dtype: the cache's (default the queries'; float8_e4m3fn: --kv-cache-dtype fp8).
-    prefetch_list: PAGEDLLM_DECODE_PREFETCH's values to time (the next tile in registers)."""
+    prefetch_list: PAGEDLLM_DECODE_PREFETCH's values to time (block ids a step ahead)."""
     saved = (triton_attention.DECODE_BLOCK_N, triton_attention.DECODE_NUM_WARPS,
              triton_attention.DECODE_NUM_STAGES, triton_attention.DECODE_PREFETCH)
     try:

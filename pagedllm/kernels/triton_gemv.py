@@ -26,7 +26,6 @@ with the KV cache write.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -196,8 +195,9 @@ def _skinny_kernel(out_ptr, part_ptr, count_ptr, x_ptr, w_ptr, scale_ptr, M, N, 
                    stride_c_kv, stride_c_block, stride_c_offset, stride_c_head, block_size,
                    W_FP8: tl.constexpr, HAS_SCALE: tl.constexpr,
                    EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                   W_BYTES: tl.constexpr, PREFETCH_PARTS: tl.constexpr, RMS_IN: tl.constexpr, SS_PAD: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   BLOCK_K: tl.constexpr, PDL: tl.constexpr, L2_PREFETCH: tl.constexpr,
+                   W_BYTES: tl.constexpr, PREFETCH_PARTS: tl.constexpr,
+                   RMS_IN: tl.constexpr, SS_PAD: tl.constexpr, HAS_BIAS: tl.constexpr,
                    RESIDUAL: tl.constexpr, RMS_OUT: tl.constexpr, GATED: tl.constexpr,
                    ROPE: tl.constexpr, HEAD_DIM: tl.constexpr, FP8_MAX: tl.constexpr):
     """Program (n, s): output features [n * BLOCK_N, +BLOCK_N) over the K slice
@@ -217,7 +217,7 @@ def _skinny_kernel(out_ptr, part_ptr, count_ptr, x_ptr, w_ptr, scale_ptr, M, N, 
         # The weights do not depend on the kernel before this one: under PDL the first
         # tile is on its way before the wait for that kernel's x.
         w = _load_weights(w_rows, k_start + rk, rn, N, k_end, EVEN)
-        if PREFETCH:  # the rest of the slice into L2 (EVEN: every row and byte in bounds)
+        if L2_PREFETCH:  # the rest of the slice into L2 (EVEN: every row and byte in bounds)
             _prefetch_slice(w_rows, k_start, k_per_split * W_BYTES, PREFETCH_PARTS)
         if PDL:
             gdc_wait()
@@ -455,7 +455,7 @@ def folded_matmul(x: torch.Tensor | RmsInput, weight: torch.Tensor,
         RMS_OUT=rms_out is not None, GATED=gated, ROPE=rope is not None,
         HEAD_DIM=rope.head_dim if rope else config.block_n,
         FP8_MAX=triton_cache.fp8_max(rope.kv_cache) if rope else 0.0,
-        PREFETCH=prefetch, W_BYTES=weight.element_size(), PREFETCH_PARTS=parts,
+        L2_PREFETCH=prefetch, W_BYTES=weight.element_size(), PREFETCH_PARTS=parts,
         num_warps=config.num_warps, num_stages=3, **pdl,
     )
     return out, rms_out

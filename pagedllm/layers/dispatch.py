@@ -192,7 +192,7 @@ class TritonBackend(TorchBackend):
         fold = (qk_norm is not None and FOLD_QK_NORM and not strided
                 and cos_sin.shape[-1] == q.shape[-1] and qk_norm[0].eps == qk_norm[1].eps)
         if qk_norm is not None and not fold:
-            q, k = qk_norm[0](q), qk_norm[1](k)
+            q, k = qk_norm[0](q), qk_norm[1](k)  # contiguous outputs
         if not all(t.stride(-1) == 1 for t in (q, k, v)):
             return super().rotary_paged_attention(q, k, v, kv_cache, meta, scale,
                                                   sliding_window, rope)
