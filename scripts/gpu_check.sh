@@ -65,8 +65,10 @@
 #                  decode-8b, decode-8b-fp8, sharegpt, sharegpt-fp8, sharegpt-fp8-profile,
 #                  sharegpt-profile; with GPU_CHECK_PEERS=0 the figures of
 #                  docs/benchmarks.md's "At a glance" table in one run
-#   prefill-prefetch  the prefill kernel's timings (time_prefill) without and with
-#                  PAGEDLLM_PREFILL_PREFETCH=1 (block ids a step ahead, one stage more), twice
+#   prefill-prefetch  the prefill kernel's launch sweep (tune_prefill: a long prompt, a
+#                  chunk after cached context, a mix-like step of short prompts) at 64 / 128
+#                  query rows and 4 / 8 warps, without and with PAGEDLLM_PREFILL_PREFETCH=1
+#                  (block ids a step ahead, one stage more); the default launch again last
 #   nano-dpf sharegpt-dpf sharegpt-fp8-dpf
 #                  nano, sharegpt and sharegpt-fp8 with attention's block ids a step ahead
 #                  (PAGEDLLM_DECODE_PREFETCH=1, bf16 decode at 4 stages of 64 keys, and
@@ -294,12 +296,11 @@ fp8 = dict(heads=(32,), kv_dtype=torch.float8_e4m3fn)
 tune_decode_mix('cuda', block_ns=(128,), warps_list=(4,), stages_list=(3,), **fp8)
 tune_decode_mix('cuda', block_ns=(64, 128), warps_list=(4, 8), stages_list=(3, 4), prefetch_list=(True,), **fp8)"
 run_step prefill-prefetch 300 "$LOGS/bench.log" $PY -c "
-from pagedllm.benchmarks.kernel_bench import time_prefill
-from pagedllm.kernels import triton_attention
-for prefetch in (False, True, False, True):
-    triton_attention.PREFILL_PREFETCH = prefetch
-    print('PAGEDLLM_PREFILL_PREFETCH', int(prefetch))
-    time_prefill('cuda')"
+from pagedllm.benchmarks.kernel_bench import tune_prefill
+tune_prefill('cuda', tiles=((64, 64), (128, 64)), warps_list=(4, 8), stages_list=(2,),
+             prefetch_list=(False, True))
+tune_prefill('cuda', tiles=((64, 64),), warps_list=(4,), stages_list=(2,),
+             prefetch_list=(False, True))"
 run_step top-p-bench 300 "$LOGS/bench.log" $PY -c \
     "from pagedllm.benchmarks.kernel_bench import time_top_p; time_top_p('cuda')"
 run_step fp8-kv-dots 300 "$LOGS/bench.log" $PY -c "

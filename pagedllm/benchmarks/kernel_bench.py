@@ -488,19 +488,45 @@ def tune(device: str) -> None:
             triton_attention.DECODE_BLOCK_N, triton_attention.DECODE_NUM_WARPS = block_n, warps
             times = [bench(lambda b=b: triton_paged_attention(b.query, b.kv_cache, b.meta, b.scale)) for b in decode]
             print(f"  decode BLOCK_N={block_n:<4} warps={warps}: " + "  ".join(f"{t:.3f}" for t in times))
-    prefill = [build_batch(s, q, shape, device, poison=False) for s, q in (([4096], [4096]), ([8192], [2048]))]
-    for block_m, block_n in ((64, 64), (128, 64), (128, 32), (64, 32), (128, 128)):
-        for warps in (4, 8):
-            for stages in (2, 3):
-                triton_attention.PREFILL_BLOCK_M, triton_attention.PREFILL_BLOCK_N = block_m, block_n
-                triton_attention.PREFILL_NUM_WARPS, triton_attention.PREFILL_NUM_STAGES = warps, stages
-                try:
-                    times = [bench(lambda b=b: triton_paged_attention(b.query, b.kv_cache, b.meta, b.scale))
-                             for b in prefill]
-                    shown = "  ".join(f"{t:.3f}" for t in times)
-                except Exception as e:  # e.g. out of shared memory for this tile
-                    shown = f"{type(e).__name__}: {str(e)[:60]}"
-                print(f"  prefill BLOCK_M={block_m:<4} BLOCK_N={block_n:<4} warps={warps} stages={stages}: {shown}")
+    tune_prefill(device)
+
+
+# The prefill kernel's launch choices: (BLOCK_M, BLOCK_N), warps, stages.
+PREFILL_TILES = ((64, 64), (128, 64), (128, 32), (64, 32), (128, 128))
+
+
+# (sequence lengths, query lengths): a 4,096-token prompt, a 2,048-token chunk after 6,144
+# cached, and 56 prompts of 290 tokens (a step of the ShareGPT-like mix's prefill).
+PREFILL_CASES = (([4096], [4096]), ([8192], [2048]), ([290] * 56, [290] * 56))
+
+
+def tune_prefill(device: str, tiles=PREFILL_TILES, warps_list=(4, 8), stages_list=(2, 3),
+                 prefetch_list=(False,), cases=PREFILL_CASES) -> None:
+    """The prefill kernel's launch constants, ms a call for each of `cases`. prefetch_list:
+    PAGEDLLM_PREFILL_PREFETCH's values (block ids a step ahead, one stage more)."""
+    shape = Shape()
+    prefill = [build_batch(s, q, shape, device, poison=False) for s, q in cases]
+    names = ("PREFILL_BLOCK_M", "PREFILL_BLOCK_N", "PREFILL_NUM_WARPS", "PREFILL_NUM_STAGES",
+             "PREFILL_PREFETCH")
+    saved = [getattr(triton_attention, name) for name in names]
+    print("\nprefill launch constants (ms at " + ", ".join(
+        f"{len(q)} x {q[0]} after {s[0] - q[0]}" for s, q in cases) + ")")
+    try:
+        for (block_m, block_n), warps, stages, prefetch in itertools.product(
+                tiles, warps_list, stages_list, prefetch_list):
+            for name, value in zip(names, (block_m, block_n, warps, stages, prefetch)):
+                setattr(triton_attention, name, value)
+            try:
+                times = [bench(lambda b=b: triton_paged_attention(b.query, b.kv_cache, b.meta,
+                                                                  b.scale)) for b in prefill]
+                shown = "  ".join(f"{t:.3f}" for t in times)
+            except Exception as e:  # e.g. out of shared memory for this tile
+                shown = f"{type(e).__name__}: {str(e)[:60]}"
+            print(f"  prefill BLOCK_M={block_m:<4} BLOCK_N={block_n:<4} warps={warps} "
+                  f"stages={stages}{' prefetch' if prefetch else ''}: {shown}")
+    finally:
+        for name, value in zip(names, saved):
+            setattr(triton_attention, name, value)
 
 
 def main(argv: list[str]) -> int:
