@@ -75,9 +75,16 @@
 #                  PAGEDLLM_PREFILL_PREFETCH=1): the launch set by GPU_CHECK_DPF_ENV /
 #                  GPU_CHECK_DPF_FP8_ENV, after decode-tune-prefetch (not in the default
 #                  list: compare with nano / sharegpt / sharegpt-fp8)
-#   prefetch-ab    the prefetch A/Bs' micro steps in one list (not in the default list):
-#                  decode-8b and decode-8b-fp8 with and without -pf,
-#                  decode-tune-prefetch(-fp8) and prefill-prefetch
+#   decode-order   decode attention over full batches of mixed contexts (time_decode_mix:
+#                  64 / 256 / 1,024 sequences, 32 and 16 heads, and FP8 at 256) with the
+#                  sequences in batch order and PAGEDLLM_DECODE_ORDER=length (longest
+#                  context first), twice
+#   nano-lpt sharegpt-lpt sharegpt-fp8-lpt
+#                  nano, sharegpt and sharegpt-fp8 with PAGEDLLM_DECODE_ORDER=length (not in
+#                  the default list: compare with nano / sharegpt / sharegpt-fp8)
+#   prefetch-ab    the prefetch and order A/Bs' micro steps in one list (not in the default
+#                  list): decode-8b and decode-8b-fp8 with and without -pf,
+#                  decode-tune-prefetch(-fp8), decode-order and prefill-prefetch
 #   nano-noqkfold  nano with PAGEDLLM_FOLD_QK_NORM=0: Qwen3's q and k norms as two kernels
 #                  a layer instead of folded into the rotary and cache write (not in the
 #                  default list: compare with nano)
@@ -151,7 +158,7 @@ PY=${PYTHON:-python3}
 STEPS=${GPU_CHECK_STEPS:-kernels,gpu-tests,kernel-bench,nano,decode-8b,throughput-8b,prefix-8b,fp8}
 case ",$STEPS," in *",fp8,"*) STEPS="$STEPS,decode-8b-fp8,throughput-8b-fp8" ;; esac
 case ",$STEPS," in *",prefetch-ab,"*)
-    STEPS="$STEPS,decode-8b,decode-8b-pf,decode-8b-fp8,decode-8b-fp8-pf,decode-tune-prefetch,decode-tune-prefetch-fp8,prefill-prefetch" ;;
+    STEPS="$STEPS,decode-8b,decode-8b-pf,decode-8b-fp8,decode-8b-fp8-pf,decode-tune-prefetch,decode-tune-prefetch-fp8,decode-order,prefill-prefetch" ;;
 esac
 case ",$STEPS," in *",issue31,"*)
     STEPS="$STEPS,nano,decode-8b,decode-8b-fp8,sharegpt,sharegpt-fp8,sharegpt-fp8-profile,sharegpt-profile" ;;
@@ -241,6 +248,9 @@ read -r -a DPF_FP8_ENV <<<"${GPU_CHECK_DPF_FP8_ENV:-PAGEDLLM_DECODE_PREFETCH=1 P
 run_step nano-dpf 480 "$LOGS/bench.log" env "${DPF_ENV[@]}" $PY "$WORK/bench.py" nano --no-peer \
     --out "$WORK/nano-dpf.json"
 [ -f "$WORK/nano-dpf.json" ] && { echo "-- nano-dpf.json"; cat "$WORK/nano-dpf.json"; } >>"$LOGS/bench.log"
+run_step nano-lpt 480 "$LOGS/bench.log" env PAGEDLLM_DECODE_ORDER=length $PY "$WORK/bench.py" \
+    nano --no-peer --out "$WORK/nano-lpt.json"
+[ -f "$WORK/nano-lpt.json" ] && { echo "-- nano-lpt.json"; cat "$WORK/nano-lpt.json"; } >>"$LOGS/bench.log"
 # Qwen3's q and k norms as kernels of their own (the default folds them into the rotary
 # and cache write): compare with nano.
 run_step nano-noqkfold 480 "$LOGS/bench.log" env PAGEDLLM_FOLD_QK_NORM=0 $PY "$WORK/bench.py" \
@@ -295,6 +305,17 @@ from pagedllm.benchmarks.kernel_bench import tune_decode_mix
 fp8 = dict(heads=(32,), kv_dtype=torch.float8_e4m3fn)
 tune_decode_mix('cuda', block_ns=(128,), warps_list=(4,), stages_list=(3,), **fp8)
 tune_decode_mix('cuda', block_ns=(64, 128), warps_list=(4, 8), stages_list=(3, 4), prefetch_list=(True,), **fp8)"
+run_step decode-order 300 "$LOGS/bench.log" $PY -c "
+import torch
+from pagedllm.benchmarks.kernel_bench import time_decode_mix
+from pagedllm.kernels import triton_attention
+for order in (False, True, False, True):
+    triton_attention.DECODE_ORDER = order
+    print('PAGEDLLM_DECODE_ORDER', 'length' if order else 'batch')
+    for n in (64, 256, 1024):
+        for heads in (32, 16):
+            time_decode_mix('cuda', num_seqs=n, num_heads=heads)
+    time_decode_mix('cuda', num_seqs=256, num_heads=32, kv_dtype=torch.float8_e4m3fn)"
 run_step prefill-prefetch 300 "$LOGS/bench.log" $PY -c "
 from pagedllm.benchmarks.kernel_bench import tune_prefill
 tune_prefill('cuda', tiles=((64, 64), (128, 64)), warps_list=(4, 8), stages_list=(2,),
@@ -317,12 +338,16 @@ for heads in (32, 16):
 for w in sharegpt sharegpt-sort sharegpt-sortfree sharegpt-fp8 sharegpt-fp8-promoted sharegpt-profile \
         sharegpt-fp8-profile sharegpt-bn64 sharegpt-w8 sharegpt-bn64-w8 sharegpt-fp8-w8 \
         sharegpt-fp8-bf16dots sharegpt-fp8-nofuse sharegpt-fp8-twopass sharegpt-fp8-2stages \
-        sharegpt-graphs512 sharegpt-fp8-graphs512 sharegpt-dpf sharegpt-fp8-dpf; do
+        sharegpt-graphs512 sharegpt-fp8-graphs512 sharegpt-dpf sharegpt-fp8-dpf sharegpt-lpt \
+        sharegpt-fp8-lpt; do
     sampler=rejection extra=() env_ab=()
     case $w in
     sharegpt-bn64) env_ab=(PAGEDLLM_DECODE_BLOCK_N=64) ;;
     sharegpt-graphs512) env_ab=(PAGEDLLM_MAX_GRAPH_BATCH=512) ;;
     sharegpt-dpf) env_ab=("${DPF_ENV[@]}") ;;
+    sharegpt-lpt) env_ab=(PAGEDLLM_DECODE_ORDER=length) ;;
+    sharegpt-fp8-lpt) env_ab=(PAGEDLLM_DECODE_ORDER=length)
+        extra=(--quantization fp8 --kv-cache-dtype fp8) ;;
     sharegpt-fp8-dpf) env_ab=("${DPF_FP8_ENV[@]}")
         extra=(--quantization fp8 --kv-cache-dtype fp8) ;;
     sharegpt-fp8-graphs512) env_ab=(PAGEDLLM_MAX_GRAPH_BATCH=512)

@@ -166,6 +166,7 @@ DECODE_SEQ_LENS = [1, 17, 32, 80, 45]
 @HEADS
 def test_decode(block_size, num_heads, num_kv_heads, monkeypatch):
     monkeypatch.setattr(triton_attention, "DECODE_BLOCK_N", 16)  # several tiles per split
+    monkeypatch.setattr(triton_attention, "DECODE_ORDER", block_size == 32)
     batch = make_batch(
         DECODE_SEQ_LENS, [1] * len(DECODE_SEQ_LENS),
         block_size=block_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
@@ -179,6 +180,7 @@ def test_decode(block_size, num_heads, num_kv_heads, monkeypatch):
 def test_decode_splits(num_splits, block_n, prefetch, monkeypatch):
     monkeypatch.setattr(triton_attention, "DECODE_BLOCK_N", block_n)
     monkeypatch.setattr(triton_attention, "DECODE_PREFETCH", prefetch)
+    monkeypatch.setattr(triton_attention, "DECODE_ORDER", prefetch)  # longest first too
     batch = make_batch(DECODE_SEQ_LENS, [1] * len(DECODE_SEQ_LENS), num_heads=4, num_kv_heads=2)
     run_and_compare(batch, num_splits=num_splits)
 

@@ -117,6 +117,9 @@ def scenarios() -> list[tuple[str, Callable[[], None]]]:
                     lambda c=cache: with_attr(triton_pdl, "L2_PREFETCH", True,
                                               launch_attention, torch.bfloat16, DTYPES[c],
                                               num_splits=4)))
+    out.append(("attention decode splits 4, bf16 cache, longest context first",
+                lambda: with_attr(triton_attention, "DECODE_ORDER", True, launch_attention,
+                                  torch.bfloat16, torch.bfloat16, num_splits=4)))
     for cache in ("bf16", "fp8"):  # PAGEDLLM_DECODE_PREFETCH=1, PAGEDLLM_PREFILL_PREFETCH=1
         out.append((f"attention decode splits 4, {cache} cache, block ids a step ahead",
                     lambda c=cache: with_attr(triton_attention, "DECODE_PREFETCH", True,

@@ -64,6 +64,10 @@ if DECODE_NUM_STAGES not in (None, 1, 2, 3, 4):
 # so the pipeliner can keep num_stages - 1 key tiles in flight (an A/B; _paged_decode_kernel);
 # its default is then 3 stages over either cache.
 DECODE_PREFETCH = os.environ.get("PAGEDLLM_DECODE_PREFETCH", "0") == "1"
+# PAGEDLLM_DECODE_ORDER=length: decode's programs take the sequences longest context first,
+# so that the kernel's last programs are short ones (a longest-first schedule; the GPU starts
+# programs in grid order). An A/B, off by default until measured.
+DECODE_ORDER = os.environ.get("PAGEDLLM_DECODE_ORDER", "batch") == "length"
 DECODE_TILE_BYTES = 128 << 10  # of the 228 KiB an SM of an H100 / H200 has
 PREFILL_BLOCK_M = 64
 PREFILL_BLOCK_N = 64
@@ -268,7 +272,7 @@ STEP_ARGS = ("stride_bt", "min_tiles")
 @triton.jit(do_not_specialize=STEP_ARGS)
 def _paged_decode_kernel(
     out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, count_ptr,
-    q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, alibi_ptr,
+    q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, alibi_ptr, order_ptr,
     qk_scale, sliding_window, num_heads, min_tiles,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c_kv, stride_c_block, stride_c_offset, stride_c_head, stride_bt,
@@ -285,22 +289,31 @@ def _paged_decode_kernel(
     PDL: tl.constexpr,
     PREFETCH: tl.constexpr,
     L2_PREFETCH: tl.constexpr,
+    ORDERED: tl.constexpr,
 ):
     seq = tl.program_id(0)  # decode: token index == sequence index
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    table_row = block_tables_ptr + seq * stride_bt
     if L2_PREFETCH:  # (with PDL) the step's inputs, and the cache but for the newest key
         seq_len = tl.load(seq_lens_ptr + seq)
-        _prefetch_first_tile(cache_ptr, table_row, seq_len, split, sliding_window, min_tiles,
-                             kv_head, stride_c_kv, stride_c_block, stride_c_offset,
-                             stride_c_head, BLOCK_SIZE, HEAD_DIM, BLOCK_N, NUM_SPLITS,
-                             USE_WINDOW)
+        _prefetch_first_tile(cache_ptr, block_tables_ptr + seq * stride_bt, seq_len, split,
+                             sliding_window, min_tiles, kv_head, stride_c_kv, stride_c_block,
+                             stride_c_offset, stride_c_head, BLOCK_SIZE, HEAD_DIM, BLOCK_N,
+                             NUM_SPLITS, USE_WINDOW)
     if PDL:  # before any read of an earlier kernel's output, any write (kernels/triton_pdl.py)
         gdc_wait()
         gdc_launch_dependents()
+    if ORDERED:  # longest context first (DECODE_ORDER; never with L2_PREFETCH). After the
+        # wait: the first layer's sort is the kernel right before this one.
+        # The grid's n-th (sequence, KV head) program, in the order the GPU starts them,
+        # takes the n // heads-th longest sequence, every KV head of it in turn.
+        heads_n = tl.num_programs(1)
+        nth = tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)
+        seq = tl.load(order_ptr + nth // heads_n).to(tl.int32)
+        kv_head = nth % heads_n
     if not L2_PREFETCH:
         seq_len = tl.load(seq_lens_ptr + seq)
+    table_row = block_tables_ptr + seq * stride_bt
     kv_lo, first_tile, num_tiles, tiles_per_split, num_active = _split_range(
         seq_len, sliding_window, min_tiles, BLOCK_N, NUM_SPLITS, USE_WINDOW)
     if split >= num_active:
@@ -673,12 +686,17 @@ def _decode(out, query, kv_cache, meta, alibi_arg, num_splits, common) -> None:
     # A function of the batch size only, as num_splits is: a CUDA graph replays it fixed.
     block_n = decode_block_n(head_dim, kv_cache.element_size())
     min_tiles = min_split_tiles(num_seqs, num_kv_heads, query.device, block_n)
+    # Sequences by context length, longest first: one sort a step (the first layer's),
+    # on the device, so a CUDA graph replays it with the step's lengths.
+    order = meta.step_cache(("decode_order",), lambda: torch.argsort(
+        meta.seq_lens, descending=True)) if DECODE_ORDER else meta.seq_lens
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         out, part_m, part_l, part_acc, count,
-        query, kv_cache, meta.block_tables, meta.seq_lens, alibi_arg,
+        query, kv_cache, meta.block_tables, meta.seq_lens, alibi_arg, order,
         num_heads=num_heads, min_tiles=min_tiles, GROUP_PAD=group_pad, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, num_warps=DECODE_NUM_WARPS, PREFETCH=DECODE_PREFETCH,
-        L2_PREFETCH=triton_pdl.l2_prefetch(query.device),
+        L2_PREFETCH=triton_pdl.l2_prefetch(query.device) and not DECODE_ORDER,
+        ORDERED=DECODE_ORDER,
         num_stages=decode_num_stages(kv_cache.element_size()), **common,
         **triton_pdl.launch_kwargs(query.device),
     )
