@@ -245,17 +245,17 @@ done
 # bf16 cache (GPU_CHECK_DPF_ENV) and an FP8 one (GPU_CHECK_DPF_FP8_ENV), space-separated.
 read -r -a DPF_ENV <<<"${GPU_CHECK_DPF_ENV:-PAGEDLLM_DECODE_PREFETCH=1 PAGEDLLM_DECODE_NUM_STAGES=4 PAGEDLLM_PREFILL_PREFETCH=1}"
 read -r -a DPF_FP8_ENV <<<"${GPU_CHECK_DPF_FP8_ENV:-PAGEDLLM_DECODE_PREFETCH=1 PAGEDLLM_PREFILL_PREFETCH=1}"
-run_step nano-dpf 480 "$LOGS/bench.log" env "${DPF_ENV[@]}" $PY "$WORK/bench.py" nano --no-peer \
-    --out "$WORK/nano-dpf.json"
-[ -f "$WORK/nano-dpf.json" ] && { echo "-- nano-dpf.json"; cat "$WORK/nano-dpf.json"; } >>"$LOGS/bench.log"
-run_step nano-lpt 480 "$LOGS/bench.log" env PAGEDLLM_DECODE_ORDER=length $PY "$WORK/bench.py" \
-    nano --no-peer --out "$WORK/nano-lpt.json"
-[ -f "$WORK/nano-lpt.json" ] && { echo "-- nano-lpt.json"; cat "$WORK/nano-lpt.json"; } >>"$LOGS/bench.log"
-# Qwen3's q and k norms as kernels of their own (the default folds them into the rotary
-# and cache write): compare with nano.
-run_step nano-noqkfold 480 "$LOGS/bench.log" env PAGEDLLM_FOLD_QK_NORM=0 $PY "$WORK/bench.py" \
-    nano --no-peer --out "$WORK/nano-noqkfold.json"
-[ -f "$WORK/nano-noqkfold.json" ] && { echo "-- nano-noqkfold.json"; cat "$WORK/nano-noqkfold.json"; } >>"$LOGS/bench.log"
+# nano_ab NAME VAR=VALUE...: nano with these variables, an A/B against the nano step.
+nano_ab() {
+    local name=$1
+    shift
+    run_step "$name" 480 "$LOGS/bench.log" env "$@" $PY "$WORK/bench.py" nano --no-peer \
+        --out "$WORK/$name.json"
+    [ -f "$WORK/$name.json" ] && { echo "-- $name.json"; cat "$WORK/$name.json"; } >>"$LOGS/bench.log"
+}
+nano_ab nano-dpf "${DPF_ENV[@]}"  # attention's block ids a step ahead
+nano_ab nano-lpt PAGEDLLM_DECODE_ORDER=length  # longest context first
+nano_ab nano-noqkfold PAGEDLLM_FOLD_QK_NORM=0  # Qwen3's q and k norms as kernels of their own
 run_step nano-profile 480 "$LOGS/bench.log" $PY "$WORK/bench.py" nano --profile --no-peer \
     --out "$WORK/nano-profile.json"
 # Structured output at nano's shape, batch 256: half of the requests constrained vs none.

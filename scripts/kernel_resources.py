@@ -32,7 +32,7 @@ os.environ.pop("TRITON_INTERPRET", None)  # compiled kernels, not the interprete
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from pagedllm.benchmarks.triton_launches import compile_decode_kernel  # noqa: E402
+from pagedllm.benchmarks.triton_launches import compile_decode_kernel, kv_buffers  # noqa: E402
 from pagedllm.kernels import triton_attention  # noqa: E402
 
 CACHES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
@@ -70,8 +70,8 @@ def resources(cache: str, block_n: int, warps: int, loop: bool = False,
     asm = compile_decode_kernel(CACHES[cache], block_n, warps, stages, prefetch)
     cubin = asm["cubin"]
     line = " ".join(re.findall(r"(?:REG|STACK):\d+", cuobjdump(cubin, "-res-usage")))
-    buffers = re.findall(r"local_alloc : \(\) -> !ttg.memdesc<(\d+)x\d+x\d+x", asm["ttgir"])
-    line += f" SHARED:{asm['shared']} K/V buffers:{'/'.join(buffers)}"
+    buffers = "/".join(map(str, kv_buffers(asm["ttgir"])))
+    line += f" SHARED:{asm['shared']} K/V buffers:{buffers}"
     if loop:
         opcodes = loop_opcodes(cuobjdump(cubin, "-sass"))
         top = " ".join(f"{op} {n}" for op, n in opcodes.most_common(6))

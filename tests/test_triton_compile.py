@@ -106,24 +106,15 @@ def test_decode_kernel_reads_an_fp8_caches_values_without_byte_loads():
 
 
 BUFFERS_CHECK = """
-import re, torch, triton
-from pagedllm.benchmarks import triton_launches as tl_
-from pagedllm.kernels import triton_attention
-def buffers(ttgir):
-    return re.findall(r"local_alloc : \\(\\) -> !ttg.memdesc<(\\d+)x\\d+x128x", ttgir)
+import torch
+from pagedllm.benchmarks.triton_launches import compile_attention_kernel, kv_buffers
 for name, dtype in (("bf16", torch.bfloat16), ("fp8", torch.float8_e4m3fn)):
     for prefetch in (False, True):
-        ttgir = tl_.compile_decode_kernel(dtype, num_stages=3, prefetch=prefetch)["ttgir"]
-        print("decode", name, int(prefetch), *buffers(ttgir))
+        asm = compile_attention_kernel(dtype, DECODE_NUM_STAGES=3, DECODE_PREFETCH=prefetch)
+        print("decode", name, int(prefetch), *kv_buffers(asm["ttgir"]))
 for prefetch in (False, True):
-    triton_attention.PREFILL_PREFETCH = prefetch
-    got = []
-    def compile(fn, source, options):
-        if fn.fn.__name__ == "_paged_prefill_kernel":
-            got.append(triton.compile(source, target=tl_.TARGET, options=options).asm["ttgir"])
-    with tl_.compiling_launches(compile):
-        tl_.launch_attention(torch.bfloat16, torch.float8_e4m3fn, decode=False)
-    print("prefill fp8", int(prefetch), *buffers(got[0]))
+    asm = compile_attention_kernel(torch.float8_e4m3fn, decode=False, PREFILL_PREFETCH=prefetch)
+    print("prefill fp8", int(prefetch), *kv_buffers(asm["ttgir"]))
 """
 
 

@@ -13,6 +13,7 @@ import itertools
 import os
 import sys
 from collections.abc import Callable
+from unittest.mock import patch
 
 assert os.environ.get("TRITON_INTERPRET") != "1", "run without TRITON_INTERPRET=1"
 
@@ -135,11 +136,9 @@ def scenarios() -> list[tuple[str, Callable[[], None]]]:
         triton_ops.triton_rms_norm_fp8(x, torch.ones(4096, dtype=bf16), 1e-6)
         triton_ops.triton_rms_norm_fp8(x, torch.ones(4096, dtype=bf16), 1e-6, residual=x.clone())
         triton_ops.triton_silu_and_mul_fp8(torch.zeros(40, 2 * 14336, dtype=bf16))  # 1 pass
-        saved, triton_ops.FP8_ROW_BLOCK = triton_ops.FP8_ROW_BLOCK, 4096
-        try:  # PAGEDLLM_FP8_ROW_BLOCK=4096: 2 passes of 4,096 (gpu-check's sharegpt-fp8-twopass)
-            triton_ops.triton_silu_and_mul_fp8(torch.zeros(40, 2 * 14336, dtype=bf16))
-        finally:
-            triton_ops.FP8_ROW_BLOCK = saved
+        # PAGEDLLM_FP8_ROW_BLOCK=4096: 2 passes of 4,096 (gpu-check's sharegpt-fp8-twopass)
+        with_attr(triton_ops, "FP8_ROW_BLOCK", 4096, triton_ops.triton_silu_and_mul_fp8,
+                  torch.zeros(40, 2 * 14336, dtype=bf16))
     out.append(("FP8 activation rows (alone, after RMSNorm, after SiLU-and-mul)", fp8_rows))
     out.append(("sampling", sampling))
     out.append(("grammar bitmask", lambda: triton_bitmask.apply_token_bitmask_(
@@ -152,12 +151,8 @@ def scenarios() -> list[tuple[str, Callable[[], None]]]:
 
 def with_attr(module, name: str, value, fn: Callable, *args, **kwargs) -> None:
     """fn(*args, **kwargs) with module.name set to value (a launch choice read at launch)."""
-    saved = getattr(module, name)
-    setattr(module, name, value)
-    try:
+    with patch.object(module, name, value):
         fn(*args, **kwargs)
-    finally:
-        setattr(module, name, saved)
 
 
 def lora(num_tokens: int) -> None:

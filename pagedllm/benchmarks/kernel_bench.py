@@ -23,6 +23,7 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field
+from unittest.mock import patch
 
 import torch
 import triton
@@ -439,29 +440,25 @@ def tune_decode_mix(device: str, heads=(32, 16), batches=(64, 256, 1024),
     size, for each query head count over 8 KV heads (32: Llama-3-8B, 16: nano's Qwen3).
     kv_dtype: the cache's (default the queries'; float8_e4m3fn: --kv-cache-dtype fp8).
     prefetch_list: PAGEDLLM_DECODE_PREFETCH's values to time (block ids a step ahead)."""
-    saved = (triton_attention.DECODE_BLOCK_N, triton_attention.DECODE_NUM_WARPS,
-             triton_attention.DECODE_NUM_STAGES, triton_attention.DECODE_PREFETCH)
-    try:
-        for num_heads in heads:
-            shape = Shape(num_heads=num_heads)
-            batches_ = [build_batch(lens, [1] * len(lens), shape, device, poison=False)
-                        for lens in (mix_lengths(n) for n in batches)]
-            for b in batches_:
-                b.kv_cache = b.kv_cache.to(kv_dtype or shape.dtype)
-            print(f"\ndecode launch constants over mixed contexts, {num_heads} / "
-                  f"{shape.num_kv_heads} heads, {batches_[0].kv_cache.dtype} cache (ms and GB/s at "
-                  + ", ".join(f"{b.meta.num_seqs} seqs" for b in batches_) + ")")
-            for config in itertools.product(block_ns, warps_list, stages_list, prefetch_list):
-                (triton_attention.DECODE_BLOCK_N, triton_attention.DECODE_NUM_WARPS,
-                 triton_attention.DECODE_NUM_STAGES, triton_attention.DECODE_PREFETCH) = config
+    for num_heads in heads:
+        shape = Shape(num_heads=num_heads)
+        batches_ = [build_batch(lens, [1] * len(lens), shape, device, poison=False)
+                    for lens in (mix_lengths(n) for n in batches)]
+        for b in batches_:
+            b.kv_cache = b.kv_cache.to(kv_dtype or shape.dtype)
+        print(f"\ndecode launch constants over mixed contexts, {num_heads} / "
+              f"{shape.num_kv_heads} heads, {batches_[0].kv_cache.dtype} cache (ms and GB/s at "
+              + ", ".join(f"{b.meta.num_seqs} seqs" for b in batches_) + ")")
+        for block_n, warps, stages, prefetch in itertools.product(
+                block_ns, warps_list, stages_list, prefetch_list):
+            with patch.multiple(triton_attention, DECODE_BLOCK_N=block_n,
+                                DECODE_NUM_WARPS=warps, DECODE_NUM_STAGES=stages,
+                                DECODE_PREFETCH=prefetch):
                 runs = triton_attention.decode_block_n(shape.head_dim,
                                                        batches_[0].kv_cache.element_size())
-                print(f"  BLOCK_N={config[0]:<4} (runs {runs:<3}) warps={config[1]} "
-                      f"stages={config[2]}{' prefetch' if config[3] else ''}: "
+                print(f"  BLOCK_N={block_n:<4} (runs {runs:<3}) warps={warps} "
+                      f"stages={stages}{' prefetch' if prefetch else ''}: "
                       f"{_decode_times(batches_, shape)}")
-    finally:
-        (triton_attention.DECODE_BLOCK_N, triton_attention.DECODE_NUM_WARPS,
-         triton_attention.DECODE_NUM_STAGES, triton_attention.DECODE_PREFETCH) = saved
 
 
 def _decode_times(batches: list[Batch], shape: Shape) -> str:
@@ -506,27 +503,21 @@ def tune_prefill(device: str, tiles=PREFILL_TILES, warps_list=(4, 8), stages_lis
     PAGEDLLM_PREFILL_PREFETCH's values (block ids a step ahead, one stage more)."""
     shape = Shape()
     prefill = [build_batch(s, q, shape, device, poison=False) for s, q in cases]
-    names = ("PREFILL_BLOCK_M", "PREFILL_BLOCK_N", "PREFILL_NUM_WARPS", "PREFILL_NUM_STAGES",
-             "PREFILL_PREFETCH")
-    saved = [getattr(triton_attention, name) for name in names]
     print("\nprefill launch constants (ms at " + ", ".join(
         f"{len(q)} x {q[0]} after {s[0] - q[0]}" for s, q in cases) + ")")
-    try:
-        for (block_m, block_n), warps, stages, prefetch in itertools.product(
-                tiles, warps_list, stages_list, prefetch_list):
-            for name, value in zip(names, (block_m, block_n, warps, stages, prefetch)):
-                setattr(triton_attention, name, value)
-            try:
+    for (block_m, block_n), warps, stages, prefetch in itertools.product(
+            tiles, warps_list, stages_list, prefetch_list):
+        try:
+            with patch.multiple(triton_attention, PREFILL_BLOCK_M=block_m,
+                                PREFILL_BLOCK_N=block_n, PREFILL_NUM_WARPS=warps,
+                                PREFILL_NUM_STAGES=stages, PREFILL_PREFETCH=prefetch):
                 times = [bench(lambda b=b: triton_paged_attention(b.query, b.kv_cache, b.meta,
                                                                   b.scale)) for b in prefill]
-                shown = "  ".join(f"{t:.3f}" for t in times)
-            except Exception as e:  # e.g. out of shared memory for this tile
-                shown = f"{type(e).__name__}: {str(e)[:60]}"
-            print(f"  prefill BLOCK_M={block_m:<4} BLOCK_N={block_n:<4} warps={warps} "
-                  f"stages={stages}{' prefetch' if prefetch else ''}: {shown}")
-    finally:
-        for name, value in zip(names, saved):
-            setattr(triton_attention, name, value)
+            shown = "  ".join(f"{t:.3f}" for t in times)
+        except Exception as e:  # e.g. out of shared memory for this tile
+            shown = f"{type(e).__name__}: {str(e)[:60]}"
+        print(f"  prefill BLOCK_M={block_m:<4} BLOCK_N={block_n:<4} warps={warps} "
+              f"stages={stages}{' prefetch' if prefetch else ''}: {shown}")
 
 
 def main(argv: list[str]) -> int:

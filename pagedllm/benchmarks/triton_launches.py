@@ -15,8 +15,10 @@ and nothing compiles). It uses Triton's compiler internals (ASTSource), not a pu
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+from unittest.mock import patch
 
 import torch
 import triton
@@ -157,30 +159,42 @@ def launch_attention(query_dtype: torch.dtype, cache_dtype: torch.dtype, *, deco
                                             num_splits=num_splits)
 
 
-def compile_decode_kernel(cache_dtype: torch.dtype, block_n: int | None = None,
-                          num_warps: int | None = None, num_stages: int | None = None,
-                          prefetch: bool | None = None) -> dict:
-    """The decode attention kernel compiled for sm_90 as launch_attention launches it (bf16
-    queries, 4 splits) over a cache of `cache_dtype`: its `asm` (ttir ... ptx, cubin), and
-    under "shared" the bytes of shared memory a program takes.
-    `block_n` / `num_warps` / `num_stages` / `prefetch`: launch choices other than the
-    engine's (PAGEDLLM_DECODE_BLOCK_N, _NUM_WARPS, _NUM_STAGES, _PREFETCH)."""
+def compile_attention_kernel(cache_dtype: torch.dtype, decode: bool = True,
+                             **constants) -> dict:
+    """The decode (or prefill) attention kernel compiled for sm_90 as launch_attention
+    launches it (bf16 queries; decode in 4 splits) over a cache of `cache_dtype`: its `asm`
+    (ttir ... ptx, cubin), and under "shared" the bytes of shared memory a program takes.
+    `constants`: triton_attention's launch constants to launch with instead of the engine's
+    (DECODE_BLOCK_N=64, PREFILL_PREFETCH=True, ...)."""
+    name = "_paged_decode_kernel" if decode else "_paged_prefill_kernel"
     compiled = []
 
     def compile(fn: JITFunction, source: ASTSource, options: dict) -> None:
-        if fn.fn.__name__ == "_paged_decode_kernel":
+        if fn.fn.__name__ == name:
             kernel = triton.compile(source, target=TARGET, options=options)
             compiled.append({**kernel.asm, "shared": kernel.metadata.shared})
 
-    names = ("DECODE_BLOCK_N", "DECODE_NUM_WARPS", "DECODE_NUM_STAGES", "DECODE_PREFETCH")
-    saved = {name: getattr(triton_attention, name) for name in names}
-    for name, value in zip(names, (block_n, num_warps, num_stages, prefetch)):
-        if value is not None:
-            setattr(triton_attention, name, value)
-    try:
-        with compiling_launches(compile):
-            launch_attention(torch.bfloat16, cache_dtype, num_splits=4)
-    finally:
-        for name, value in saved.items():
-            setattr(triton_attention, name, value)
+    chosen = patch.multiple(triton_attention, **constants) if constants else nullcontext()
+    with chosen, compiling_launches(compile):
+        launch_attention(torch.bfloat16, cache_dtype, decode=decode,
+                         num_splits=4 if decode else None)
     return compiled[0]
+
+
+def compile_decode_kernel(cache_dtype: torch.dtype, block_n: int | None = None,
+                          num_warps: int | None = None, num_stages: int | None = None,
+                          prefetch: bool | None = None) -> dict:
+    """compile_attention_kernel's decode kernel; `block_n` / `num_warps` / `num_stages` /
+    `prefetch`: launch choices other than the engine's (PAGEDLLM_DECODE_BLOCK_N,
+    _NUM_WARPS, _NUM_STAGES, _PREFETCH)."""
+    chosen = dict(DECODE_BLOCK_N=block_n, DECODE_NUM_WARPS=num_warps,
+                  DECODE_NUM_STAGES=num_stages, DECODE_PREFETCH=prefetch)
+    return compile_attention_kernel(cache_dtype, **{k: v for k, v in chosen.items()
+                                                    if v is not None})
+
+
+def kv_buffers(ttgir: str) -> list[int]:
+    """The shared-memory buffers the pipeliner gives each [keys, head_dim] tile the kernel
+    copies in (K, then V): the leading size of each mutable 3-D local_alloc in its TTGIR."""
+    return [int(n) for n in re.findall(r"local_alloc : \(\) -> !ttg.memdesc<(\d+)x\d+x\d+x",
+                                       ttgir)]

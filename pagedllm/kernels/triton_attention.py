@@ -295,11 +295,11 @@ def _paged_decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     if L2_PREFETCH:  # (with PDL) the step's inputs, and the cache but for the newest key
-        seq_len = tl.load(seq_lens_ptr + seq)
-        _prefetch_first_tile(cache_ptr, block_tables_ptr + seq * stride_bt, seq_len, split,
-                             sliding_window, min_tiles, kv_head, stride_c_kv, stride_c_block,
-                             stride_c_offset, stride_c_head, BLOCK_SIZE, HEAD_DIM, BLOCK_N,
-                             NUM_SPLITS, USE_WINDOW)
+        _prefetch_first_tile(cache_ptr, block_tables_ptr + seq * stride_bt,
+                             tl.load(seq_lens_ptr + seq), split, sliding_window, min_tiles,
+                             kv_head, stride_c_kv, stride_c_block, stride_c_offset,
+                             stride_c_head, BLOCK_SIZE, HEAD_DIM, BLOCK_N, NUM_SPLITS,
+                             USE_WINDOW)
     if PDL:  # before any read of an earlier kernel's output, any write (kernels/triton_pdl.py)
         gdc_wait()
         gdc_launch_dependents()
@@ -311,8 +311,7 @@ def _paged_decode_kernel(
         nth = tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)
         seq = tl.load(order_ptr + nth // heads_n).to(tl.int32)
         kv_head = nth % heads_n
-    if not L2_PREFETCH:
-        seq_len = tl.load(seq_lens_ptr + seq)
+    seq_len = tl.load(seq_lens_ptr + seq)
     table_row = block_tables_ptr + seq * stride_bt
     kv_lo, first_tile, num_tiles, tiles_per_split, num_active = _split_range(
         seq_len, sliding_window, min_tiles, BLOCK_N, NUM_SPLITS, USE_WINDOW)
